@@ -1,0 +1,1 @@
+"""Flatfare billing: the request ledger (and, with plans, quotas and Stripe, what it is charged)."""

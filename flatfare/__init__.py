@@ -1,0 +1,1 @@
+"""Flatfare's shared core: the queue contract, settings, storage and the ``flatfare`` command."""

@@ -1,0 +1,126 @@
+"""The ``flatfare`` command: the all-in-one platform and each part as its own process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from typing import Annotated, Any
+
+import typer
+
+from flatfare.settings import DEFAULT_MODEL, CommonSettings
+
+app = typer.Typer(help="Flatfare: an OpenAI-compatible LLM API with flat per-request pricing.",
+                  no_args_is_help=True, add_completion=False)
+keys_app = typer.Typer(help="API keys.", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+
+
+def _fail(message: str) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+@app.command()
+def up(
+    model: Annotated[str, typer.Option(help="Model the local worker serves.")] = DEFAULT_MODEL,
+    port: Annotated[int, typer.Option(help="Gateway port on 127.0.0.1.")] = 8000,
+) -> None:
+    """Start the whole platform locally: Redis, migrations, one CPU worker and the gateway."""
+    from flatfare.up import run_up
+
+    sys.exit(run_up(model=model, port=port))
+
+
+@app.command()
+def gateway(
+    host: Annotated[str | None, typer.Option(help="Interface to listen on.")] = None,
+    port: Annotated[int | None, typer.Option(help="Port to listen on.")] = None,
+    processes: Annotated[int, typer.Option(help="Gateway processes sharing the port.")] = 1,
+) -> None:
+    """Run the gateway (FLATFARE_DATABASE_URL, FLATFARE_REDIS_URL)."""
+    import uvicorn
+
+    from gateway.settings import GatewaySettings
+
+    overrides: dict[str, Any] = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
+    settings = GatewaySettings(**overrides)
+    if not settings.redis_url:
+        _fail("set FLATFARE_REDIS_URL: the gateway needs the Redis its workers use")
+    # Child processes rebuild settings from the environment, so pass overrides through it.
+    import os
+
+    os.environ.update({f"FLATFARE_{k.upper()}": str(v) for k, v in overrides.items()})
+    uvicorn.run("gateway.app:create_app", factory=True, host=settings.host, port=settings.port,
+                workers=processes, log_level=settings.log_level, access_log=False)
+
+
+@app.command()
+def worker(
+    model: Annotated[str, typer.Option(help="Catalog name of the model to serve.")] = DEFAULT_MODEL,
+    source: Annotated[str | None, typer.Option(help="Folder or hub id, for a model not in the catalog.")] = None,
+    engine_options: Annotated[str | None, typer.Option(
+        help='JSON object of vLLM engine options overriding the catalog, e.g. \'{"max_model_len": 4096}\'.')] = None,
+    max_inflight: Annotated[int | None, typer.Option(help="Jobs held at once (default: engine capacity).")] = None,
+) -> None:
+    """Run one worker: an embedded vLLM engine serving one model's pool."""
+    from workers.main import WorkerError, main
+    from workers.settings import WorkerSettings
+
+    overrides: dict[str, Any] = {"model": model}
+    if source:
+        overrides["source"] = source
+    if engine_options:
+        try:
+            overrides["engine_options"] = json.loads(engine_options)
+        except json.JSONDecodeError as exc:
+            _fail(f"--engine-options is not JSON: {exc}")
+    if max_inflight is not None:
+        overrides["max_inflight"] = max_inflight
+    try:
+        main(WorkerSettings(**overrides))
+    except WorkerError as exc:
+        _fail(str(exc))
+
+
+@app.command()
+def migrate(revision: Annotated[str, typer.Argument(help="Target revision.")] = "head") -> None:
+    """Apply the database migrations (FLATFARE_DATABASE_URL, default a SQLite file)."""
+    from flatfare.storage.db import migrate as run_migrations
+
+    run_migrations(CommonSettings().resolved_database_url, revision)
+
+
+@keys_app.command("create")
+def keys_create(
+    account: Annotated[str, typer.Option(help="Account name; created if it does not exist.")],
+    plan: Annotated[str | None, typer.Option(help="Plan for the account (default: free for new accounts).")] = None,
+    name: Annotated[str, typer.Option(help="A label for the key.")] = "",
+) -> None:
+    """Create an API key and print it, alone, on stdout."""
+    from flatfare.storage.accounts import AccountError
+
+    try:
+        secret = asyncio.run(_create_key(account, plan, name))
+    except AccountError as exc:
+        _fail(str(exc))
+    typer.echo(secret)
+
+
+async def _create_key(account: str, plan: str | None, name: str) -> str:
+    from flatfare.storage.accounts import ensure_account, issue_key
+    from flatfare.storage.db import create_engine, session_factory
+
+    engine = create_engine(CommonSettings().resolved_database_url, pool_size=1)
+    try:
+        async with session_factory(engine)() as session:
+            issued = await issue_key(session, await ensure_account(session, account, plan), name)
+            await session.commit()
+            return issued.secret
+    finally:
+        await engine.dispose()
+
+
+def main() -> None:
+    app()

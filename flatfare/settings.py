@@ -1,0 +1,37 @@
+"""Settings every Flatfare process shares; each process extends this into its own class."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def _default_data_dir() -> Path:
+    return Path.home() / ".flatfare"
+
+
+class CommonSettings(BaseSettings):
+    """Read from ``FLATFARE_*`` variables and a ``.env`` file in the working directory."""
+
+    model_config = SettingsConfigDict(env_prefix="FLATFARE_", env_file=".env", extra="ignore")
+
+    data_dir: Path = Field(default_factory=_default_data_dir)
+    # Empty means "a SQLite file in data_dir".
+    database_url: str = ""
+    # Empty means "no shared Redis": only `flatfare up` may then start a private one.
+    redis_url: str = ""
+    log_level: str = "info"
+
+    @property
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite+aiosqlite:///{self.data_dir / 'flatfare.db'}"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.data_dir / "models"

@@ -1,0 +1,68 @@
+"""Database engines, sessions and migrations, for SQLite and PostgreSQL alike."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MIGRATIONS_DIR = REPO_ROOT / "migrations"
+
+_ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg", "postgres": "postgresql+asyncpg"}
+
+
+def async_url(url: str) -> str:
+    """Turn a plain ``postgresql://`` or ``sqlite:///`` URL into its asyncio driver's form."""
+    parsed = make_url(url)
+    if "+" not in parsed.drivername and parsed.drivername in _ASYNC_DRIVERS:
+        parsed = parsed.set(drivername=_ASYNC_DRIVERS[parsed.drivername])
+    return parsed.render_as_string(hide_password=False)
+
+
+def create_engine(url: str, *, pool_size: int = 20) -> AsyncEngine:
+    url = async_url(url)
+    if url.startswith("sqlite"):
+        database = make_url(url).database
+        if database and database != ":memory:":
+            Path(database).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_async_engine(url, connect_args={"timeout": 30})
+        event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        return engine
+    return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+
+
+def _sqlite_pragmas(dbapi_connection, _record) -> None:  # noqa: ANN001 - DBAPI types
+    # WAL lets the gateway read while another process (the CLI, a second gateway) writes.
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.close()
+
+
+def session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
+    return async_sessionmaker(engine, expire_on_commit=False)
+
+
+def alembic_config(url: str):  # noqa: ANN201 - alembic is imported lazily
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.set_main_option("sqlalchemy.url", async_url(url).replace("%", "%%"))
+    return config
+
+
+def migrate(url: str, revision: str = "head") -> None:
+    """Apply migrations up to ``revision`` (blocking; runs its own event loop)."""
+    from alembic import command
+
+    command.upgrade(alembic_config(url), revision)
+
+
+async def migrate_async(url: str, revision: str = "head") -> None:
+    await asyncio.to_thread(migrate, url, revision)

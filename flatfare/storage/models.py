@@ -1,0 +1,117 @@
+"""The SQL tables. Wire models (what clients send and see) live with the routes, not here."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, ForeignKey, Integer, String, func
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, list[str]: JSON}
+
+
+class Lane(StrEnum):
+    STANDARD = "standard"
+    PREMIUM = "premium"
+
+
+class AccountStatus(StrEnum):
+    ACTIVE = "active"
+    SUSPENDED = "suspended"
+    PAST_DUE = "past_due"
+
+
+class RequestStatus(StrEnum):
+    QUEUED = "queued"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class Plan(Base):
+    __tablename__ = "plans"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    display_name: Mapped[str] = mapped_column(String(128))
+    # None: unlimited (enterprise accounts may be).
+    daily_limit: Mapped[int | None] = mapped_column(Integer)
+    price_per_request_micros: Mapped[int] = mapped_column(BigInteger, default=0)
+    monthly_price_cents: Mapped[int] = mapped_column(Integer, default=0)
+    lane: Mapped[str] = mapped_column(String(16), default=Lane.STANDARD.value)
+    # None: every model in the catalog.
+    allowed_models: Mapped[list[str] | None] = mapped_column(JSON)
+    max_output_tokens: Mapped[int | None] = mapped_column(Integer)
+    max_n: Mapped[int] = mapped_column(Integer, default=1)
+    max_body_bytes: Mapped[int] = mapped_column(Integer, default=1_048_576)
+    timezone: Mapped[str] = mapped_column(String(64), default="UTC")
+    trial_days: Mapped[int | None] = mapped_column(Integer)
+    retired: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class Account(Base):
+    __tablename__ = "accounts"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    plan: Mapped[str] = mapped_column(ForeignKey("plans.name"))
+    status: Mapped[str] = mapped_column(String(16), default=AccountStatus.ACTIVE.value)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    trial_ends_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    stripe_customer_id: Mapped[str | None] = mapped_column(String(64), unique=True)
+
+
+class ApiKey(Base):
+    """An API key. Only its SHA-256 and a short visible prefix are stored, never the secret."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    account_id: Mapped[int] = mapped_column(ForeignKey("accounts.id"), index=True)
+    name: Mapped[str] = mapped_column(String(128), default="")
+    prefix: Mapped[str] = mapped_column(String(16))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class CatalogModel(Base):
+    """A model Flatfare may serve, and the engine options its workers start it with."""
+
+    __tablename__ = "models"
+
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    # A local folder, a hub id, or "builtin:<name>" for a model Flatfare prepares itself.
+    source: Mapped[str] = mapped_column(String(512))
+    engine_options: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False)
+    min_workers: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+
+
+class RequestRecord(Base):
+    """The ledger: one row per request the gateway accepted, keyed by its request id."""
+
+    __tablename__ = "requests"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    account_id: Mapped[int] = mapped_column(ForeignKey("accounts.id"), index=True)
+    api_key_id: Mapped[int] = mapped_column(ForeignKey("api_keys.id"))
+    model: Mapped[str] = mapped_column(String(128))
+    endpoint: Mapped[str] = mapped_column(String(32))
+    stream: Mapped[bool] = mapped_column(Boolean, default=False)
+    status: Mapped[str] = mapped_column(String(16), default=RequestStatus.QUEUED.value)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    queue_ms: Mapped[int | None] = mapped_column(Integer)
+    ttft_ms: Mapped[int | None] = mapped_column(Integer)
+    duration_ms: Mapped[int | None] = mapped_column(Integer)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    http_status: Mapped[int | None] = mapped_column(Integer)
+    error_code: Mapped[str | None] = mapped_column(String(64))

@@ -1,0 +1,177 @@
+"""``flatfare up``: the whole platform on one machine, on embedded defaults.
+
+A SQLite file and (unless FLATFARE_REDIS_URL is set) a private redis-server, both under the data
+folder; migrations; one worker on vLLM's CPU backend; the gateway on 127.0.0.1. Ctrl-C stops all
+of it. Each child's output goes to ``<data>/logs``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+
+from flatfare.redis_local import LocalRedis
+from flatfare.settings import CommonSettings
+from flatfare.storage.db import migrate
+
+console = Console(stderr=True)
+LOCAL_ACCOUNT = "local"
+LOCAL_PLAN = "pro"
+READY_TIMEOUT_S = 900
+
+
+def _child_env(settings: CommonSettings, redis_url: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["FLATFARE_REDIS_URL"] = redis_url
+    env["FLATFARE_DATA_DIR"] = str(settings.data_dir)
+    env["FLATFARE_DATABASE_URL"] = settings.resolved_database_url
+    # Keep vLLM's CPU KV cache modest on a laptop unless the user sized it.
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    return env
+
+
+def _spawn(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = log_path.open("ab")
+    # A new session: Ctrl-C reaches only us, and we stop the children in order.
+    return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _last_line(path: Path) -> str:
+    try:
+        with path.open("rb") as handle:
+            handle.seek(max(path.stat().st_size - 4096, 0))
+            lines = [ln for ln in handle.read().decode(errors="replace").splitlines() if ln.strip()]
+        return lines[-1][-110:] if lines else ""
+    except OSError:
+        return ""
+
+
+def _stop(processes: list[subprocess.Popen[bytes]], timeout_s: float = 30.0) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        try:
+            process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def _create_key(settings: CommonSettings) -> str:
+    from flatfare.storage.accounts import ensure_account, issue_key
+    from flatfare.storage.db import create_engine, session_factory
+
+    async def create() -> str:
+        engine = create_engine(settings.resolved_database_url, pool_size=1)
+        try:
+            async with session_factory(engine)() as session:
+                issued = await issue_key(session, await ensure_account(session, LOCAL_ACCOUNT, LOCAL_PLAN), "flatfare up")
+                await session.commit()
+                return issued.secret
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(create())
+
+
+def _examples(base_url: str, key: str, model: str) -> str:
+    return f"""
+[bold green]Flatfare is ready[/] at {base_url}/v1
+
+API key (shown once): [bold]{key}[/]
+
+curl:
+  curl {base_url}/v1/chat/completions -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "temperature": 0}}'
+
+Python (pip install openai):
+  python3 -c 'from openai import OpenAI; c = OpenAI(base_url="{base_url}/v1", api_key="{key}"); print(c.chat.completions.create(model="{model}", messages=[{{"role": "user", "content": "What is the capital of France?"}}], temperature=0).choices[0].message.content)'
+
+Press Ctrl-C to stop.
+"""
+
+
+def run_up(model: str, port: int) -> int:
+    settings = CommonSettings()
+    logs = settings.data_dir / "logs"
+    started = time.monotonic()
+    local_redis: LocalRedis | None = None
+    children: list[subprocess.Popen[bytes]] = []
+    stop_requested = False
+
+    def request_stop(*_: object) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    try:
+        with console.status("starting") as status:
+            redis_url = settings.redis_url
+            if not redis_url:
+                status.update("starting a private Redis")
+                local_redis = LocalRedis(settings.data_dir / "redis").start()
+                redis_url = local_redis.url
+            status.update(f"applying migrations to {settings.resolved_database_url}")
+            migrate(settings.resolved_database_url)
+            status.update(f"preparing {model}")
+            from workers.main import ModelSpec  # noqa: F401 - fail early if the worker extra is missing
+            from workers.prepare import resolve_source
+
+            if model == "smollm2-135m-instruct":
+                resolve_source("builtin:smollm2-135m-instruct", settings.models_dir,
+                               lambda msg: status.update(f"preparing {model}: {msg}"))
+            env = _child_env(settings, redis_url)
+            flatfare = [sys.executable, "-m", "flatfare"]
+            children.append(_spawn([*flatfare, "worker", "--model", model], env, logs / "worker.log"))
+            children.append(_spawn([*flatfare, "gateway", "--port", str(port)], env, logs / "gateway.log"))
+            base_url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            while True:
+                if stop_requested:
+                    return 130
+                for child, name in zip(children, ("worker", "gateway"), strict=True):
+                    if child.poll() is not None:
+                        console.print(f"[red]the {name} exited[/]; its log: {logs / (name + '.log')}")
+                        return 1
+                try:
+                    if httpx.get(f"{base_url}/readyz", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    console.print(f"[red]not ready after {READY_TIMEOUT_S} s[/]; logs in {logs}")
+                    return 1
+                elapsed = time.monotonic() - started
+                status.update(f"waiting for the engine ({elapsed:.0f} s): {_last_line(logs / 'worker.log')}")
+                time.sleep(1)
+        key = _create_key(settings)
+        console.print(f"ready in {time.monotonic() - started:.1f} s")
+        # soft_wrap: long lines stay whole so they copy-paste as printed.
+        console.print(_examples(base_url, key, model), soft_wrap=True, highlight=False)
+        while not stop_requested:
+            for child in children:
+                if child.poll() is not None:
+                    console.print(f"[red]a child process exited[/] (code {child.returncode}); logs in {logs}")
+                    return 1
+            time.sleep(0.5)
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        with console.status("stopping"):
+            _stop(list(reversed(children)))
+            if local_redis is not None:
+                local_redis.stop()
+        console.print("stopped")

@@ -1,0 +1,51 @@
+"""``create_app(settings)``: the gateway's FastAPI application and the lifespan that owns its clients."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI
+
+from billing.ledger import Ledger
+from flatfare.storage.db import create_engine, session_factory
+from gateway import health, routes
+from gateway.auth import Authenticator
+from gateway.completions import CompletionService
+from gateway.errors import install_handlers
+from gateway.pools import Pools
+from gateway.replies import Dispatcher
+from gateway.settings import GatewaySettings
+
+
+def create_app(settings: GatewaySettings | None = None) -> FastAPI:
+    settings = settings or GatewaySettings()
+    if not settings.redis_url:
+        raise RuntimeError("set FLATFARE_REDIS_URL: the gateway needs the Redis its workers use")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = create_engine(settings.resolved_database_url, pool_size=settings.db_pool_size)
+        redis = aioredis.from_url(settings.redis_url)
+        sessions = session_factory(engine)
+        state = app.state
+        state.settings = settings
+        state.redis = redis
+        state.sessions = sessions
+        state.authenticator = Authenticator(sessions, settings.auth_cache_ttl_s)
+        state.pools = Pools(redis, sessions, settings.pools_cache_ttl_s)
+        state.completions = CompletionService(state.pools, Dispatcher(redis, settings.request_timeout_s),
+                                              Ledger(sessions))
+        try:
+            yield
+        finally:
+            await redis.aclose()
+            await engine.dispose()
+
+    app = FastAPI(title="Flatfare", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible LLM API with flat per-request pricing.")
+    install_handlers(app)
+    app.include_router(routes.router)
+    app.include_router(health.router)
+    return app

@@ -1,0 +1,80 @@
+"""API-key authentication: ``Authorization: Bearer ff-...`` -> the calling account."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import select, update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from flatfare.storage.keys import hash_key, hashes_match, looks_like_key
+from flatfare.storage.models import Account, AccountStatus, ApiKey
+from gateway.errors import APIError
+
+_LAST_USED_RESOLUTION = timedelta(minutes=1)
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    account_id: int
+    account_name: str
+    plan: str
+    key_id: int
+
+
+def _unauthorized(message: str) -> APIError:
+    return APIError(401, message, code="invalid_api_key")
+
+
+class Authenticator:
+    """Looks keys up by hash, caching each answer for ``ttl_s`` so a revocation lands within it."""
+
+    def __init__(self, sessions: async_sessionmaker[AsyncSession], ttl_s: float) -> None:
+        self._sessions = sessions
+        self._ttl_s = ttl_s
+        self._cache: dict[str, tuple[float, Caller | APIError]] = {}
+
+    async def authenticate(self, authorization: str | None) -> Caller:
+        if not authorization:
+            raise _unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer ff-...'.")
+        scheme, _, key = authorization.partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not looks_like_key(key):
+            raise _unauthorized("Incorrect API key provided. Flatfare keys look like 'ff-' and 43 more characters.")
+        key_hash = hash_key(key)
+        now = time.monotonic()
+        cached = self._cache.get(key_hash)
+        if cached is None or cached[0] < now:
+            cached = (now + self._ttl_s, await self._lookup(key, key_hash))
+            if len(self._cache) > 100_000:
+                self._cache.clear()
+            self._cache[key_hash] = cached
+        outcome = cached[1]
+        if isinstance(outcome, APIError):
+            raise outcome
+        return outcome
+
+    async def _lookup(self, key: str, key_hash: str) -> Caller | APIError:
+        async with self._sessions() as session:
+            row = (await session.execute(
+                select(ApiKey, Account).join(Account, Account.id == ApiKey.account_id)
+                .where(ApiKey.key_hash == key_hash)
+            )).first()
+            if row is None or not hashes_match(row.ApiKey.key_hash, key):
+                return _unauthorized("Incorrect API key provided.")
+            api_key, account = row.ApiKey, row.Account
+            if api_key.revoked_at is not None:
+                return _unauthorized("This API key has been revoked.")
+            if account.status != AccountStatus.ACTIVE:
+                return APIError(403, f"The account '{account.name}' is {account.status.replace('_', ' ')}; "
+                                "contact the platform's administrators.", code="account_inactive")
+            now = datetime.now(UTC)
+            last = api_key.last_used_at
+            if last is not None and last.tzinfo is None:  # SQLite keeps no zone; we store UTC
+                last = last.replace(tzinfo=UTC)
+            if last is None or now - last > _LAST_USED_RESOLUTION:
+                await session.execute(update(ApiKey).where(ApiKey.id == api_key.id).values(last_used_at=now))
+                await session.commit()
+            return Caller(account_id=account.id, account_name=account.name, plan=account.plan, key_id=api_key.id)

@@ -1,0 +1,87 @@
+"""OpenAI-style errors: one exception type, one envelope, handlers that map everything to it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "server_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None,
+               type_: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_ or _TYPES.get(status, "api_error"),
+                      "param": param, "code": code}}
+
+
+class APIError(Exception):
+    """An error the client should see as ``status`` with an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.status, self.message, param=self.param, code=self.code),
+                            status_code=self.status, headers=self.headers)
+
+
+def invalid(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body",)]
+    if not parts:
+        return None
+    out = parts[0]
+    for part in parts[1:]:
+        out += f"[{part}]" if part.isdigit() else f".{part}"
+    return out
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    first = errors[0]
+    param = _param_from_loc(tuple(first.get("loc", ())))
+    message = first.get("msg", "Invalid request")
+    if param:
+        message = f"Invalid value for '{param}': {message}"
+    missing = first.get("type") == "missing"
+    return invalid(message, param=param, code="missing_required_parameter" if missing else "invalid_value")
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(list(exc.errors())).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return APIError(exc.status_code, str(exc.detail), code=code).response()

@@ -1,0 +1,99 @@
+"""What the gateway knows of models: the SQL catalog and the live workers' heartbeats in Redis."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import datetime
+
+import redis.asyncio as aioredis
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from flatfare import contract
+from flatfare.contract import WorkerInfo
+from flatfare.storage.models import CatalogModel
+from gateway.errors import APIError
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogEntry:
+    name: str
+    enabled: bool
+    min_workers: int
+    created: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """A model the gateway can route to right now."""
+
+    model: str
+    workers: tuple[WorkerInfo, ...]
+
+    @property
+    def max_model_len(self) -> int:
+        return min(w.max_model_len for w in self.workers)
+
+
+class Pools:
+    def __init__(self, redis: aioredis.Redis, sessions: async_sessionmaker[AsyncSession], ttl_s: float) -> None:
+        self._redis = redis
+        self._sessions = sessions
+        self._ttl_s = ttl_s
+        self._catalog: tuple[float, dict[str, CatalogEntry]] = (0.0, {})
+        self._live: dict[str, tuple[float, tuple[WorkerInfo, ...]]] = {}
+
+    async def catalog(self) -> dict[str, CatalogEntry]:
+        expires, entries = self._catalog
+        if expires > time.monotonic():
+            return entries
+        async with self._sessions() as session:
+            rows = (await session.scalars(select(CatalogModel))).all()
+        entries = {row.name: CatalogEntry(row.name, row.enabled, row.min_workers, _epoch(row.created_at))
+                   for row in rows}
+        self._catalog = (time.monotonic() + self._ttl_s, entries)
+        return entries
+
+    async def live_workers(self, model: str) -> tuple[WorkerInfo, ...]:
+        now = time.monotonic()
+        cached = self._live.get(model)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        oldest = int(time.time() * 1000 - contract.WORKER_TTL_S * 1000)
+        ids = await self._redis.zrangebyscore(contract.pool_key(model), oldest, "+inf")
+        workers: list[WorkerInfo] = []
+        if ids:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for worker_id in ids:
+                    pipe.hgetall(contract.worker_key(worker_id.decode()))
+                for fields in await pipe.execute():
+                    if fields:
+                        workers.append(WorkerInfo.from_fields(fields))
+        live = tuple(workers)
+        self._live[model] = (now + self._ttl_s, live)
+        return live
+
+    async def served_models(self) -> list[str]:
+        """Every model with a live worker, catalogued or not."""
+        names = sorted(m.decode() for m in await self._redis.smembers(contract.POOLS_KEY))
+        return [name for name in names if await self.live_workers(name)]
+
+    async def route(self, model: str) -> Pool:
+        """The pool for ``model``, or the error the client should get."""
+        entry = (await self.catalog()).get(model)
+        if entry is not None and not entry.enabled:
+            raise APIError(404, f"The model '{model}' is disabled on this platform.", param="model",
+                           code="model_not_found")
+        workers = await self.live_workers(model)
+        if workers:
+            return Pool(model, workers)
+        if entry is None:
+            raise APIError(404, f"The model '{model}' does not exist or you do not have access to it.",
+                           param="model", code="model_not_found")
+        raise APIError(503, f"No worker is serving '{model}' right now; retry shortly.", param="model",
+                       code="model_unavailable", headers={"Retry-After": "5"})
+
+
+def _epoch(value: datetime | None) -> int:
+    return int(value.timestamp()) if value else 0

@@ -1,0 +1,56 @@
+"""The gateway's side of the queue contract: put a job on its pool's stream, read its replies."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+
+from flatfare import contract
+from flatfare.contract import Job, Reply
+from gateway.errors import APIError
+
+# How long one blocking read waits before the deadline is checked again.
+_BLOCK_MS = 5_000
+
+
+def timed_out() -> APIError:
+    return APIError(504, "The request timed out waiting for its worker; retry it.", code="timeout")
+
+
+class Dispatcher:
+    def __init__(self, redis: aioredis.Redis, timeout_s: float) -> None:
+        self._redis = redis
+        self._timeout_s = timeout_s
+
+    async def submit(self, model: str, job: Job) -> None:
+        await self._redis.xadd(contract.job_stream(model), job.to_fields())
+
+    async def replies(self, request_id: str) -> AsyncIterator[Reply]:
+        """The request's replies in order, ending with its terminal one; 504 past the timeout."""
+        key = contract.reply_stream(request_id)
+        deadline = time.monotonic() + self._timeout_s
+        last_id = "0-0"
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                raise timed_out()
+            result = await self._redis.xread({key: last_id}, count=256, block=min(left_ms, _BLOCK_MS))
+            for _stream, entries in result or []:
+                for entry_id, fields in entries:
+                    last_id = entry_id
+                    reply = Reply.from_fields(fields)
+                    yield reply
+                    if reply.kind.terminal:
+                        return
+
+    async def cancel(self, request_id: str) -> None:
+        """Tell the pool the client went away: a queued job is skipped, a running one aborted."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.set(contract.cancel_key(request_id), 1, ex=contract.CANCEL_TTL_S)
+            pipe.publish(contract.CANCEL_CHANNEL, request_id)
+            await pipe.execute()
+
+    async def forget(self, request_id: str) -> None:
+        await self._redis.delete(contract.reply_stream(request_id))

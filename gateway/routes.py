@@ -1,0 +1,55 @@
+"""The OpenAI-compatible ``/v1`` routes: parse, call the service, map the result."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from flatfare.contract import Endpoint
+from gateway.deps import CurrentCaller, PoolsDep, RawBody, ServiceDep
+from gateway.errors import APIError
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+
+def _body_schema(model: type) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
+@router.post("/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
+async def chat_completions(request: Request, caller: CurrentCaller, raw: RawBody, service: ServiceDep) -> Response:
+    return await service.handle(Endpoint.CHAT, raw, caller, request)
+
+
+@router.post("/completions", openapi_extra=_body_schema(CompletionRequest))
+async def completions(request: Request, caller: CurrentCaller, raw: RawBody, service: ServiceDep) -> Response:
+    return await service.handle(Endpoint.COMPLETION, raw, caller, request)
+
+
+async def _model_cards(pools: PoolsDep) -> list[dict[str, Any]]:
+    catalog = await pools.catalog()
+    cards = []
+    for name in await pools.served_models():
+        entry = catalog.get(name)
+        if entry is not None and not entry.enabled:
+            continue
+        cards.append({"id": name, "object": "model", "created": entry.created if entry else 0,
+                      "owned_by": "flatfare"})
+    return cards
+
+
+@router.get("/models")
+async def list_models(_: CurrentCaller, pools: PoolsDep) -> dict[str, Any]:
+    return {"object": "list", "data": await _model_cards(pools)}
+
+
+@router.get("/models/{model_id:path}")
+async def get_model(model_id: str, _: CurrentCaller, pools: PoolsDep) -> dict[str, Any]:
+    for card in await _model_cards(pools):
+        if card["id"] == model_id:
+            return card
+    raise APIError(404, f"The model '{model_id}' does not exist or you do not have access to it.",
+                   param="model", code="model_not_found")

@@ -1,0 +1,166 @@
+"""The only module that imports vLLM.
+
+It builds an in-process ``AsyncLLM`` from the same arguments ``vllm serve`` takes, then vLLM's own
+OpenAI serving objects on top of it (no HTTP server), so chat templates, tool calls, JSON mode and
+structured outputs behave exactly as in ``vllm serve``. Module paths moved between vLLM 0.26 (the
+GPU build) and 0.32 (the CPU build); both are handled here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from flatfare.contract import Endpoint
+
+
+class EngineError(Exception):
+    """The engine could not be built or failed; the message says what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineResult:
+    """What one request produced: a stream of SSE payloads, a whole response, or an error."""
+
+    stream: AsyncIterator[str] | None = None
+    body: str | None = None
+    error_status: int = 0
+    error: dict[str, Any] | None = None
+
+
+def _first_attr(candidates: list[tuple[str, str]]) -> Any:
+    for module_name, attr in candidates:
+        try:
+            return getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError):
+            continue
+    names = ", ".join(f"{m}.{a}" for m, a in candidates)
+    raise EngineError(f"this vLLM version has none of {names}; Flatfare supports vLLM 0.26 to 0.32")
+
+
+def engine_argv(model_path: str, served_name: str, options: dict[str, Any]) -> list[str]:
+    """Turn catalog engine options into ``vllm serve`` arguments (``max_model_len`` -> ``--max-model-len``)."""
+    argv = ["--model", model_path, "--served-model-name", served_name]
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, (list, tuple)):
+            argv.extend([flag, *map(str, value)])
+        elif isinstance(value, dict):
+            import json
+
+            argv.extend([flag, json.dumps(value)])
+        else:
+            argv.extend([flag, str(value)])
+    return argv
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+class Engine:
+    """An ``AsyncLLM`` plus vLLM's OpenAI serving layer for one model."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self._argv = argv
+        self._llm: Any = None
+        self._chat: Any = None
+        self._completion: Any = None
+        self._chat_request: Any = None
+        self._completion_request: Any = None
+        self._client_errors: tuple[type[BaseException], ...] = (ValueError, TypeError, NotImplementedError)
+        self.max_model_len = 0
+        self.max_num_seqs = 0
+
+    async def start(self) -> None:
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+        from starlette.datastructures import State
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        make_arg_parser = _first_attr([
+            ("vllm.entrypoints.launchers.cli_args", "make_arg_parser"),
+            ("vllm.entrypoints.openai.cli_args", "make_arg_parser"),
+        ])
+        init_app_state = _first_attr([
+            ("vllm.entrypoints.launchers.api_server.app_state", "init_app_state"),
+            ("vllm.entrypoints.openai.api_server", "init_app_state"),
+        ])
+        self._chat_request = _first_attr([("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest")])
+        self._completion_request = _first_attr([("vllm.entrypoints.openai.completion.protocol", "CompletionRequest")])
+
+        from vllm import exceptions
+
+        # 0.32 splits request errors into VLLMClientError; 0.26's are ValueErrors.
+        client_error = getattr(exceptions, "VLLMClientError", ValueError)
+        self._client_errors = (client_error, ValueError, TypeError, NotImplementedError)
+        parser = make_arg_parser(FlexibleArgumentParser(prog="flatfare worker"))
+        try:
+            args = parser.parse_args(self._argv)
+        except SystemExit as exc:
+            raise EngineError(f"vLLM refused the engine options {self._argv!r}") from exc
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args))
+        state = State()
+        await init_app_state(self._llm, state, args, await self._llm.get_supported_tasks())
+        self._chat = state.openai_serving_chat
+        self._completion = state.openai_serving_completion
+        config = self._llm.vllm_config
+        self.max_model_len = int(config.model_config.max_model_len)
+        self.max_num_seqs = int(config.scheduler_config.max_num_seqs)
+
+    async def run(self, endpoint: Endpoint, body: dict[str, Any]) -> EngineResult:
+        """Run one OpenAI request. Cancel the task iterating ``stream`` to abort it in the engine."""
+        request_cls, handler = (
+            (self._chat_request, self._chat.create_chat_completion)
+            if endpoint is Endpoint.CHAT
+            else (self._completion_request, self._completion.create_completion)
+        )
+        from pydantic import ValidationError
+
+        try:
+            request = request_cls.model_validate(body)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = ".".join(str(p) for p in first.get("loc", ())) or None
+            return EngineResult(error_status=400, error=_error(400, first.get("msg", "invalid request"), param))
+        except ValueError as exc:
+            return EngineResult(error_status=400, error=_error(400, str(exc), None))
+        try:
+            result = await handler(request, None)
+        except self._client_errors as exc:
+            return EngineResult(error_status=400, error=_error(400, str(exc), getattr(exc, "parameter", None)))
+        if hasattr(result, "__aiter__"):
+            return EngineResult(stream=result)
+        if hasattr(result, "error") and type(result).__name__ == "ErrorResponse":
+            info = result.error
+            status = int(info.code) if isinstance(info.code, int) else 400
+            return EngineResult(error_status=status, error=_error(status, info.message, info.param))
+        return EngineResult(body=result.model_dump_json())
+
+    def unfinished_requests(self) -> int:
+        """Requests the engine holds (running or waiting): what a freed slot is measured by."""
+        return 0 if self._llm is None else int(self._llm.get_num_unfinished_requests())
+
+    @property
+    def errored(self) -> bool:
+        return bool(self._llm is not None and self._llm.errored)
+
+    def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+
+def _error(status: int, message: str, param: str | None) -> dict[str, Any]:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}

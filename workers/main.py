@@ -1,0 +1,91 @@
+"""``flatfare worker``: one process, one model, one embedded engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
+
+from flatfare.contract import WorkerInfo
+from flatfare.storage.db import create_engine, session_factory
+from flatfare.storage.models import CatalogModel
+from workers.loop import WorkerLoop, now_ms
+from workers.prepare import resolve_source
+from workers.settings import WorkerSettings
+
+log = logging.getLogger("flatfare.worker")
+
+# Options every Flatfare worker gets unless the catalog or the command line says otherwise.
+_BASE_OPTIONS: dict[str, Any] = {"disable_log_stats": True}
+
+
+class WorkerError(Exception):
+    """The worker cannot start as configured; the message says what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str
+    source: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+async def load_spec(settings: WorkerSettings) -> ModelSpec:
+    """The model's catalog entry, overridden by the worker's own settings."""
+    entry: CatalogModel | None = None
+    engine = create_engine(settings.resolved_database_url, pool_size=1)
+    try:
+        async with session_factory(engine)() as session:
+            entry = await session.scalar(select(CatalogModel).where(CatalogModel.name == settings.model))
+    except SQLAlchemyError as exc:
+        if not settings.source:
+            raise WorkerError(f"cannot read the model catalog ({exc.__class__.__name__}); "
+                              "run `flatfare migrate` or pass --source") from exc
+    finally:
+        await engine.dispose()
+    if entry is None and not settings.source:
+        raise WorkerError(f"model {settings.model!r} is not in the catalog; add it or pass --source")
+    if entry is not None and not entry.enabled:
+        raise WorkerError(f"model {settings.model!r} is disabled in the catalog")
+    source = settings.source or entry.source
+    options = {**_BASE_OPTIONS, **(entry.engine_options if entry else {}), **settings.engine_options}
+    return ModelSpec(name=settings.model, source=source, options=options)
+
+
+async def serve(settings: WorkerSettings, progress: Callable[[str], None] = log.info) -> None:
+    from workers.engine import Engine, engine_argv
+
+    spec = await load_spec(settings)
+    progress(f"preparing model {spec.name}")
+    model_path = await asyncio.to_thread(resolve_source, spec.source, settings.models_dir, progress)
+    progress(f"starting the engine for {spec.name}")
+    engine = Engine(engine_argv(model_path, spec.name, spec.options))
+    await engine.start()
+    capacity = settings.max_inflight or engine.max_num_seqs
+    info = WorkerInfo(worker_id=settings.worker_id, model=spec.name, max_model_len=engine.max_model_len,
+                      capacity=capacity, started_ms=now_ms())
+    redis = aioredis.from_url(settings.redis_url)
+    loop = WorkerLoop(redis, engine, info, drain_timeout_s=settings.drain_timeout_s)
+    running = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        running.add_signal_handler(sig, loop.stop)
+    progress(f"worker {info.worker_id} serving {spec.name} (capacity {capacity})")
+    try:
+        await loop.run()
+    finally:
+        await redis.aclose()
+        engine.shutdown()
+
+
+def main(settings: WorkerSettings) -> None:
+    if not settings.redis_url:
+        raise WorkerError("set FLATFARE_REDIS_URL: a worker needs the Redis its gateway uses")
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    asyncio.run(serve(settings))

@@ -1,0 +1,28 @@
+"""The worker process's settings."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+
+from pydantic import Field
+
+from flatfare.settings import DEFAULT_MODEL, CommonSettings
+
+
+def _default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class WorkerSettings(CommonSettings):
+    model: str = DEFAULT_MODEL
+    worker_id: str = Field(default_factory=_default_worker_id)
+    # Where the model comes from when the catalog has no entry for it (a folder or hub id).
+    source: str = ""
+    # JSON object of engine options that override the catalog's, e.g. {"max_model_len": 4096}.
+    engine_options: dict[str, object] = Field(default_factory=dict)
+    # Jobs held at once; 0 means the engine's batch capacity (max_num_seqs).
+    max_inflight: int = 0
+    # On SIGTERM, how long running jobs may take to finish before they are abandoned.
+    drain_timeout_s: float = 30.0
