@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -24,14 +24,18 @@ class CommonSettings(BaseSettings):
     database_url: str = ""
     # Empty means "no shared Redis": only `flatfare up` may then start a private one.
     redis_url: str = ""
+    # Where prepared models live; empty means "models/ in data_dir".
+    models_dir: Path | None = None
     log_level: str = "info"
+
+    @model_validator(mode="after")
+    def _default_models_dir(self) -> CommonSettings:
+        if self.models_dir is None:
+            self.models_dir = self.data_dir / "models"
+        return self
 
     @property
     def resolved_database_url(self) -> str:
         if self.database_url:
             return self.database_url
         return f"sqlite+aiosqlite:///{self.data_dir / 'flatfare.db'}"
-
-    @property
-    def models_dir(self) -> Path:
-        return self.data_dir / "models"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import redis.asyncio as aioredis
+from flatfare.redis_conn import connect
 from fastapi import FastAPI
 
 from billing.ledger import Ledger
@@ -27,7 +27,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = create_engine(settings.resolved_database_url, pool_size=settings.db_pool_size)
-        redis = aioredis.from_url(settings.redis_url)
+        redis = connect(settings.redis_url)
         sessions = session_factory(engine)
         state = app.state
         state.settings = settings

@@ -53,7 +53,7 @@ def parse_body(endpoint: Endpoint, raw: bytes) -> tuple[dict[str, Any], ChatComp
     try:
         parsed = _MODELS[endpoint].model_validate(body)
     except ValidationError as exc:
-        raise validation_error(list(exc.errors())) from None
+        raise validation_error(list(exc.errors()), body) from None
     return body, parsed
 
 

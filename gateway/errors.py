@@ -52,19 +52,32 @@ def invalid(message: str, param: str | None = None, code: str | None = "invalid_
     return APIError(400, message, param=param, code=code)
 
 
-def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body",)]
-    if not parts:
-        return None
-    out = parts[0]
-    for part in parts[1:]:
-        out += f"[{part}]" if part.isdigit() else f".{part}"
-    return out
+def _param_from_loc(loc: tuple[Any, ...], body: Any) -> str | None:
+    """``messages[0].content`` from a pydantic location, dropping the union-member names pydantic
+    inserts (``...content.str``): only the steps that exist in the client's body are kept,
+    plus a final missing field's name."""
+    out = ""
+    node = body
+    for part in loc:
+        if isinstance(node, dict) and isinstance(part, str):
+            out += f".{part}" if out else part
+            node = node.get(part, _MISSING)
+            if node is _MISSING:
+                break
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            out += f"[{part}]"
+            node = node[part]
+        else:
+            break
+    return out or None
 
 
-def validation_error(errors: list[dict[str, Any]]) -> APIError:
+_MISSING = object()
+
+
+def validation_error(errors: list[dict[str, Any]], body: Any = None) -> APIError:
     first = errors[0]
-    param = _param_from_loc(tuple(first.get("loc", ())))
+    param = _param_from_loc(tuple(p for p in first.get("loc", ()) if p != "body"), body)
     message = first.get("msg", "Invalid request")
     if param:
         message = f"Invalid value for '{param}': {message}"
@@ -79,7 +92,7 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(list(exc.errors())).response()
+        return validation_error(list(exc.errors()), exc.body).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

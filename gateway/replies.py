@@ -12,7 +12,7 @@ from flatfare.contract import Job, Reply
 from gateway.errors import APIError
 
 # How long one blocking read waits before the deadline is checked again.
-_BLOCK_MS = 5_000
+_BLOCK_MS = 2_000
 
 
 def timed_out() -> APIError:

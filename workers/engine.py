@@ -9,6 +9,7 @@ GPU build) and 0.32 (the CPU build); both are handled here and nowhere else.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -46,15 +47,15 @@ def engine_argv(model_path: str, served_name: str, options: dict[str, Any]) -> l
     argv = ["--model", model_path, "--served-model-name", served_name]
     for key, value in options.items():
         flag = "--" + key.replace("_", "-")
-        if value is None or value is False:
+        if value is None:
             continue
-        if value is True:
+        if value is False:  # vLLM's boolean engine flags all take a --no- form
+            argv.append("--no-" + flag[2:])
+        elif value is True:
             argv.append(flag)
         elif isinstance(value, (list, tuple)):
             argv.extend([flag, *map(str, value)])
         elif isinstance(value, dict):
-            import json
-
             argv.extend([flag, json.dumps(value)])
         else:
             argv.extend([flag, str(value)])

@@ -217,6 +217,7 @@ class WorkerLoop:
         worker = contract.worker_key(self.info.worker_id)
         while True:
             self.info.inflight = len(self.inflight)
+            self.info.extra["engine_unfinished"] = self.engine.unfinished_requests()
             now = now_ms()
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:

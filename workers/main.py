@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis.asyncio as aioredis
+from flatfare.redis_conn import connect
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -71,7 +71,7 @@ async def serve(settings: WorkerSettings, progress: Callable[[str], None] = log.
     capacity = settings.max_inflight or engine.max_num_seqs
     info = WorkerInfo(worker_id=settings.worker_id, model=spec.name, max_model_len=engine.max_model_len,
                       capacity=capacity, started_ms=now_ms())
-    redis = aioredis.from_url(settings.redis_url)
+    redis = connect(settings.redis_url)
     loop = WorkerLoop(redis, engine, info, drain_timeout_s=settings.drain_timeout_s)
     running = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

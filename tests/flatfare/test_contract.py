@@ -1,0 +1,38 @@
+"""The queue contract round-trips through Redis field maps exactly."""
+
+from __future__ import annotations
+
+from flatfare import contract
+from flatfare.contract import Endpoint, Job, Reply, ReplyKind, Usage, WorkerInfo
+
+
+def _as_redis(fields: dict[str, str]) -> dict[bytes, bytes]:
+    return {k.encode(): v.encode() for k, v in fields.items()}
+
+
+def test_job_round_trip() -> None:
+    job = Job(request_id="abc", endpoint=Endpoint.CHAT, body='{"model": "m"}', enqueued_ms=123, priority=2)
+    assert Job.from_fields(_as_redis(job.to_fields())) == job
+
+
+def test_reply_round_trip_keeps_usage_and_timings() -> None:
+    reply = Reply(ReplyKind.END, usage=Usage(3, 4), started_ms=10, first_token_ms=20)
+    assert Reply.from_fields(_as_redis(reply.to_fields())) == reply
+    chunk = Reply(ReplyKind.CHUNK, '{"x": 1}')
+    assert set(chunk.to_fields()) == {"k", "d"}  # chunks stay small
+    assert Reply.from_fields(_as_redis(chunk.to_fields())) == chunk
+
+
+def test_only_chunks_are_not_terminal() -> None:
+    assert [k for k in ReplyKind if not k.terminal] == [ReplyKind.CHUNK]
+
+
+def test_worker_info_round_trip() -> None:
+    info = WorkerInfo("w1", "m", 2048, 64, inflight=3, started_ms=5, extra={"engine_unfinished": 2})
+    assert WorkerInfo.from_fields(_as_redis(info.to_fields())) == info
+
+
+def test_key_names_are_namespaced_and_distinct() -> None:
+    keys = {contract.job_stream("m"), contract.reply_stream("m"), contract.cancel_key("m"),
+            contract.pool_key("m"), contract.worker_key("m"), contract.POOLS_KEY, contract.CANCEL_CHANNEL}
+    assert len(keys) == 7 and all(k.startswith("ff:") for k in keys)

@@ -1,0 +1,91 @@
+"""Tables, migrations, seeds and key storage, on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+from alembic import command
+from sqlalchemy import func, select
+
+from billing.ledger import Ledger, Outcome
+from flatfare.storage.accounts import AccountError, ensure_account, issue_key
+from flatfare.storage.db import alembic_config, create_engine, migrate, session_factory
+from flatfare.storage.keys import KEY_PREFIX, hash_key, looks_like_key
+from flatfare.storage.models import ApiKey, CatalogModel, Plan, RequestRecord, RequestStatus
+
+
+@pytest.fixture
+async def sessions(database_url: str):
+    engine = create_engine(database_url, pool_size=2)
+    yield session_factory(engine)
+    await engine.dispose()
+
+
+async def test_migration_seeds_plans_and_default_model(sessions) -> None:
+    async with sessions() as session:
+        plans = {p.name: p for p in await session.scalars(select(Plan))}
+        model = await session.get(CatalogModel, "smollm2-135m-instruct")
+    assert set(plans) == {"free", "pro", "premium", "enterprise", "trial"}
+    assert (plans["free"].daily_limit, plans["pro"].daily_limit, plans["premium"].daily_limit) == (60, 1000, 5000)
+    assert plans["premium"].lane == "premium" and plans["free"].lane == "standard"
+    assert plans["enterprise"].daily_limit is None
+    assert plans["trial"].trial_days == 7
+    assert model is not None and model.pinned and model.enabled
+    assert model.source == "builtin:smollm2-135m-instruct"
+    assert model.engine_options["max_model_len"] == 2048
+
+
+async def test_keys_are_stored_only_as_hash_and_prefix(sessions) -> None:
+    async with sessions() as session:
+        account = await ensure_account(session, "acme", "pro")
+        issued = await issue_key(session, account, "ci")
+        await session.commit()
+        stored = await session.get(ApiKey, issued.key_id)
+    assert looks_like_key(issued.secret) and issued.secret.startswith(KEY_PREFIX)
+    assert stored.key_hash == hash_key(issued.secret)
+    assert stored.prefix == issued.secret[:11]
+    assert issued.secret not in (stored.key_hash, stored.prefix, stored.name)
+
+
+async def test_ensure_account_is_idempotent_and_checks_plans(sessions) -> None:
+    async with sessions() as session:
+        first = await ensure_account(session, "acme")
+        again = await ensure_account(session, "acme")
+        assert first.id == again.id and first.plan == "free"
+        with pytest.raises(AccountError, match="unknown plan"):
+            await ensure_account(session, "acme", "platinum")
+
+
+async def test_two_keys_never_share_a_hash(sessions) -> None:
+    async with sessions() as session:
+        account = await ensure_account(session, "acme")
+        keys = [await issue_key(session, account) for _ in range(20)]
+        await session.commit()
+        count = await session.scalar(select(func.count(func.distinct(ApiKey.key_hash))))
+    assert count == 20 and len({k.secret for k in keys}) == 20
+
+
+async def test_ledger_opens_and_closes_one_row(sessions) -> None:
+    async with sessions() as session:
+        account = await ensure_account(session, "acme")
+        issued = await issue_key(session, account)
+        await session.commit()
+    ledger = Ledger(sessions)
+    await ledger.open(request_id="r1", account_id=issued.account_id, api_key_id=issued.key_id, model="m",
+                      endpoint="chat", stream=True, created_at=datetime.now(UTC))
+    await ledger.close("r1", Outcome(RequestStatus.SUCCEEDED, 200, queue_ms=3, ttft_ms=40, duration_ms=90,
+                                     prompt_tokens=12, completion_tokens=7))
+    # A second close (a late duplicate) changes nothing: the row is already final.
+    await ledger.close("r1", Outcome(RequestStatus.FAILED, 500))
+    async with sessions() as session:
+        rows = (await session.scalars(select(RequestRecord))).all()
+    assert len(rows) == 1
+    row = rows[0]
+    assert (row.status, row.http_status, row.prompt_tokens, row.completion_tokens) == ("succeeded", 200, 12, 7)
+    assert (row.queue_ms, row.ttft_ms, row.duration_ms) == (3, 40, 90)
+
+
+def test_downgrade_and_upgrade_again(database_url: str) -> None:
+    command.downgrade(alembic_config(database_url), "base")
+    migrate(database_url)
