@@ -12,7 +12,7 @@ import typer
 from flatfare.settings import DEFAULT_MODEL, CommonSettings
 
 app = typer.Typer(help="Flatfare: an OpenAI-compatible LLM API with flat per-request pricing.",
-                  no_args_is_help=True, add_completion=False)
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 keys_app = typer.Typer(help="API keys.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 
@@ -63,6 +63,8 @@ def worker(
     engine_options: Annotated[str | None, typer.Option(
         help='JSON object of vLLM engine options overriding the catalog, e.g. \'{"max_model_len": 4096}\'.')] = None,
     max_inflight: Annotated[int | None, typer.Option(help="Jobs held at once (default: engine capacity).")] = None,
+    engine: Annotated[str | None, typer.Option(
+        help="'vllm', or 'instant': a benchmark/test engine answering at once with no model.")] = None,
 ) -> None:
     """Run one worker: an embedded vLLM engine serving one model's pool."""
     from workers.main import WorkerError, main
@@ -78,6 +80,8 @@ def worker(
             _fail(f"--engine-options is not JSON: {exc}")
     if max_inflight is not None:
         overrides["max_inflight"] = max_inflight
+    if engine is not None:
+        overrides["engine"] = engine
     try:
         main(WorkerSettings(**overrides))
     except WorkerError as exc:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 
 from alembic import context
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from flatfare.settings import CommonSettings
-from flatfare.storage.db import async_url
+from flatfare.storage.db import async_url, create_engine
 from flatfare.storage.models import Base
 
 config = context.config
@@ -31,7 +30,7 @@ def _run(connection) -> None:  # noqa: ANN001 - a sync Connection inside run_syn
 
 
 async def _run_online() -> None:
-    engine = create_async_engine(_url())
+    engine = create_engine(_url(), pool_size=1)
     async with engine.connect() as connection:
         await connection.run_sync(_run)
         await connection.commit()

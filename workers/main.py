@@ -16,7 +16,9 @@ from sqlalchemy.exc import SQLAlchemyError
 from flatfare.contract import WorkerInfo
 from flatfare.storage.db import create_engine, session_factory
 from flatfare.storage.models import CatalogModel
-from workers.loop import WorkerLoop, now_ms
+from workers.engine import Engine, engine_argv
+from workers.instant import InstantEngine
+from workers.loop import EngineLike, WorkerLoop, now_ms
 from workers.prepare import resolve_source
 from workers.settings import WorkerSettings
 
@@ -59,24 +61,31 @@ async def load_spec(settings: WorkerSettings) -> ModelSpec:
     return ModelSpec(name=settings.model, source=source, options=options)
 
 
-async def serve(settings: WorkerSettings, progress: Callable[[str], None] = log.info) -> None:
-    from workers.engine import Engine, engine_argv
-
+async def build_engine(settings: WorkerSettings, progress: Callable[[str], None]) -> tuple[str, EngineLike]:
+    """The model's name and its started engine."""
+    if settings.engine == "instant":
+        progress(f"BENCHMARK ENGINE: '{settings.model}' answers with {settings.instant_tokens} filler tokens")
+        return settings.model, InstantEngine(settings.instant_tokens, settings.max_inflight or 1024)
     spec = await load_spec(settings)
     progress(f"preparing model {spec.name}")
     model_path = await asyncio.to_thread(resolve_source, spec.source, settings.models_dir, progress)
     progress(f"starting the engine for {spec.name}")
     engine = Engine(engine_argv(model_path, spec.name, spec.options))
     await engine.start()
+    return spec.name, engine
+
+
+async def serve(settings: WorkerSettings, progress: Callable[[str], None] = log.info) -> None:
+    model, engine = await build_engine(settings, progress)
     capacity = settings.max_inflight or engine.max_num_seqs
-    info = WorkerInfo(worker_id=settings.worker_id, model=spec.name, max_model_len=engine.max_model_len,
-                      capacity=capacity, started_ms=now_ms())
+    info = WorkerInfo(worker_id=settings.worker_id, model=model, max_model_len=engine.max_model_len,
+                      capacity=capacity, started_ms=now_ms(), engine=settings.engine)
     redis = connect(settings.redis_url)
     loop = WorkerLoop(redis, engine, info, drain_timeout_s=settings.drain_timeout_s)
     running = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         running.add_signal_handler(sig, loop.stop)
-    progress(f"worker {info.worker_id} serving {spec.name} (capacity {capacity})")
+    progress(f"worker {info.worker_id} serving {model} (capacity {capacity})")
     try:
         await loop.run()
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from typing import Literal
 
 from pydantic import Field
 
@@ -17,6 +18,10 @@ def _default_worker_id() -> str:
 
 class WorkerSettings(CommonSettings):
     model: str = DEFAULT_MODEL
+    # "vllm", or "instant": the benchmark/test engine that answers at once with no model.
+    engine: Literal["vllm", "instant"] = "vllm"
+    # Tokens the instant engine streams per request.
+    instant_tokens: int = 16
     worker_id: str = Field(default_factory=_default_worker_id)
     # Where the model comes from when the catalog has no entry for it (a folder or hub id).
     source: str = ""

@@ -1,0 +1,83 @@
+"""A benchmark/test engine: answers every request at once with a fixed number of tokens, no model.
+
+It exists to measure what the platform itself costs (gateway, Redis, worker loop) with the engine's
+time taken out. Never serve it to customers: its answers are a fixed filler word.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+
+from flatfare.contract import Endpoint
+from workers.engine import EngineResult
+
+FILLER = " token"
+
+
+class InstantEngine:
+    """Streams ``tokens`` chunks per request (``max_tokens`` lowers it), without any delay."""
+
+    def __init__(self, tokens: int = 16, capacity: int = 1024) -> None:
+        self.tokens = tokens
+        self.max_model_len = 1 << 20
+        self.max_num_seqs = capacity
+        self._running = 0
+
+    async def start(self) -> None:
+        return None
+
+    async def run(self, endpoint: Endpoint, body: dict[str, Any]) -> EngineResult:
+        count = min(self.tokens, int(body.get("max_tokens") or body.get("max_completion_tokens") or self.tokens))
+        prompt_tokens = 8
+        model = body.get("model", "instant")
+        created = int(time.time())
+        chat = endpoint is Endpoint.CHAT
+        rid = ("chatcmpl-" if chat else "cmpl-") + str(body.get("request_id") or uuid.uuid4().hex)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": count, "total_tokens": prompt_tokens + count}
+        if not body.get("stream"):
+            if chat:
+                choice = {"index": 0, "message": {"role": "assistant", "content": FILLER * count},
+                          "finish_reason": "length", "logprobs": None}
+                obj = "chat.completion"
+            else:
+                choice = {"index": 0, "text": FILLER * count, "finish_reason": "length", "logprobs": None}
+                obj = "text_completion"
+            return EngineResult(body=orjson.dumps({"id": rid, "object": obj, "created": created, "model": model,
+                                                   "choices": [choice], "usage": usage}).decode())
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return EngineResult(stream=self._stream(rid, created, model, chat, count, usage, include_usage))
+
+    async def _stream(self, rid: str, created: int, model: str, chat: bool, count: int, usage: dict[str, int],
+                      include_usage: bool) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        self._running += 1
+        try:
+            for i in range(count):
+                last = i == count - 1
+                if chat:
+                    choice = {"index": 0, "delta": {"content": FILLER}, "finish_reason": "length" if last else None}
+                else:
+                    choice = {"index": 0, "text": FILLER, "finish_reason": "length" if last else None}
+                chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+                yield "data: " + orjson.dumps(chunk).decode() + "\n\n"
+            if include_usage:
+                tail = {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
+                yield "data: " + orjson.dumps(tail).decode() + "\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            self._running -= 1
+
+    def unfinished_requests(self) -> int:
+        return self._running
+
+    @property
+    def errored(self) -> bool:
+        return False
+
+    def shutdown(self) -> None:
+        return None
