@@ -9,12 +9,15 @@ from flatfare.redis_conn import connect
 from fastapi import FastAPI
 
 from billing.ledger import Ledger
+from billing.quota import DailyQuota
 from flatfare.storage.db import create_engine, session_factory
 from gateway import health, routes
 from gateway.auth import Authenticator
 from gateway.completions import CompletionService
 from gateway.errors import install_handlers
+from gateway.plans import PlanBook
 from gateway.pools import Pools
+from gateway.ratelimit import RateLimitHeaders
 from gateway.replies import Dispatcher
 from gateway.settings import GatewaySettings
 
@@ -35,8 +38,12 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         state.sessions = sessions
         state.authenticator = Authenticator(sessions, settings.auth_cache_ttl_s)
         state.pools = Pools(redis, sessions, settings.pools_cache_ttl_s)
+        ledger = Ledger(sessions)
+        state.plans = PlanBook(sessions, settings.plans_cache_ttl_s)
+        state.quota = DailyQuota(redis, ledger.billable_counts)
+        state.ledger = ledger
         state.completions = CompletionService(state.pools, Dispatcher(redis, settings.request_timeout_s),
-                                              Ledger(sessions))
+                                              ledger, state.plans, state.quota)
         try:
             yield
         finally:
@@ -46,6 +53,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app = FastAPI(title="Flatfare", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible LLM API with flat per-request pricing.")
     install_handlers(app)
+    app.add_middleware(RateLimitHeaders)
     app.include_router(routes.router)
     app.include_router(health.router)
     return app

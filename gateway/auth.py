@@ -20,8 +20,9 @@ _LAST_USED_RESOLUTION = timedelta(minutes=1)
 class Caller:
     account_id: int
     account_name: str
-    plan: str
     key_id: int
+    # A detached copy of the account row: plan, trial end, limits, dedicated pool, Stripe ids.
+    account: Account
 
 
 def _unauthorized(message: str) -> APIError:
@@ -77,4 +78,5 @@ class Authenticator:
             if last is None or now - last > _LAST_USED_RESOLUTION:
                 await session.execute(update(ApiKey).where(ApiKey.id == api_key.id).values(last_used_at=now))
                 await session.commit()
-            return Caller(account_id=account.id, account_name=account.name, plan=account.plan, key_id=api_key.id)
+            session.expunge(account)
+            return Caller(account_id=account.id, account_name=account.name, key_id=api_key.id, account=account)

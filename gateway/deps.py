@@ -14,7 +14,9 @@ from gateway.pools import Pools
 
 async def _caller(request: Request, authorization: Annotated[str | None, Header()] = None) -> Caller:
     authenticator: Authenticator = request.app.state.authenticator
-    return await authenticator.authenticate(authorization)
+    caller = await authenticator.authenticate(authorization)
+    request.state.caller = caller  # for the rate-limit headers of every /v1 response
+    return caller
 
 
 async def _body(request: Request) -> bytes:

@@ -52,5 +52,13 @@ class Dispatcher:
             pipe.publish(contract.CANCEL_CHANNEL, request_id)
             await pipe.execute()
 
-    async def forget(self, request_id: str) -> None:
-        await self._redis.delete(contract.reply_stream(request_id))
+    async def finish(self, request_id: str, keep_s: int = 0) -> None:
+        """Drop the reply stream, or keep it ``keep_s`` seconds for replays of an idempotent request."""
+        key = contract.reply_stream(request_id)
+        if keep_s:
+            await self._redis.expire(key, keep_s)
+        else:
+            await self._redis.delete(key)
+
+    async def has_replies(self, request_id: str) -> bool:
+        return bool(await self._redis.exists(contract.reply_stream(request_id)))

@@ -15,4 +15,5 @@ class GatewaySettings(CommonSettings):
     # How long an authenticated key, the catalog and the live-worker view are reused in-process.
     auth_cache_ttl_s: float = 0.5
     pools_cache_ttl_s: float = 0.5
+    plans_cache_ttl_s: float = 0.5
     db_pool_size: int = 20

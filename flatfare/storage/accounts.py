@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -24,16 +25,21 @@ class IssuedKey:
 
 async def ensure_account(session: AsyncSession, name: str, plan: str | None = None) -> Account:
     """The account called ``name``, created on ``plan`` (default ``free``) if it does not exist."""
-    if plan is not None and await session.get(Plan, plan) is None:
+    plan_row = await session.get(Plan, plan or "free")
+    if plan_row is None:
         known = ", ".join(sorted(await session.scalars(select(Plan.name))))
         raise AccountError(f"unknown plan {plan!r}; the plans are: {known}")
     account = await session.scalar(select(Account).where(Account.name == name))
     if account is None:
-        account = Account(name=name, plan=plan or "free", status="active")
+        account = Account(name=name, plan=plan_row.name, status="active")
         session.add(account)
-        await session.flush()
     elif plan is not None and account.plan != plan:
         account.plan = plan
+    else:
+        return account
+    # A trial runs from the moment the account is put on it.
+    account.trial_ends_at = (datetime.now(UTC) + timedelta(days=plan_row.trial_days)) if plan_row.trial_days else None
+    await session.flush()
     return account
 
 

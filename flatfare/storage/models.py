@@ -6,7 +6,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, DateTime, ForeignKey, Integer, String, func
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, ForeignKey, Index, Integer, String, UniqueConstraint, func
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -62,6 +62,12 @@ class Account(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
     trial_ends_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     stripe_customer_id: Mapped[str | None] = mapped_column(String(64), unique=True)
+    daily_limit_override: Mapped[int | None] = mapped_column(Integer)
+    unlimited: Mapped[bool] = mapped_column(Boolean, default=False)
+    dedicated_pool: Mapped[str | None] = mapped_column(String(128))
+    stripe_subscription_id: Mapped[str | None] = mapped_column(String(64))
+    subscription_status: Mapped[str | None] = mapped_column(String(32))
+    billing_event_at: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class ApiKey(Base):
@@ -115,3 +121,49 @@ class RequestRecord(Base):
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
     http_status: Mapped[int | None] = mapped_column(Integer)
     error_code: Mapped[str | None] = mapped_column(String(64))
+    # False once the request's quota unit was given back (it failed before its first token).
+    billable: Mapped[bool] = mapped_column(Boolean, default=True)
+    price_micros: Mapped[int] = mapped_column(BigInteger, default=0)
+    plan: Mapped[str | None] = mapped_column(String(64))
+    quota_day: Mapped[str | None] = mapped_column(String(10))
+    idempotency_key: Mapped[str | None] = mapped_column(String(255))
+    body_sha256: Mapped[str | None] = mapped_column(String(64))
+
+    __table_args__ = (
+        UniqueConstraint("account_id", "idempotency_key", name="uq_requests_account_idempotency"),
+        Index("ix_requests_quota", "account_id", "quota_day"),
+    )
+
+
+class OutboxStatus(StrEnum):
+    PENDING = "pending"
+    SENT = "sent"
+    SKIPPED = "skipped"
+
+
+class UsageOutbox(Base):
+    """One Stripe meter event to send per billable request, written with the ledger's final update."""
+
+    __tablename__ = "usage_outbox"
+
+    request_id: Mapped[str] = mapped_column(ForeignKey("requests.id"), primary_key=True)
+    account_id: Mapped[int] = mapped_column(ForeignKey("accounts.id"), index=True)
+    day: Mapped[str] = mapped_column(String(10), index=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    status: Mapped[str] = mapped_column(String(16), default=OutboxStatus.PENDING.value, index=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    sent_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    last_error: Mapped[str | None] = mapped_column(String(512))
+
+
+class StripeEvent(Base):
+    """A Stripe webhook event already applied (or deliberately ignored): each is applied once."""
+
+    __tablename__ = "stripe_events"
+
+    id: Mapped[str] = mapped_column(String(255), primary_key=True)
+    type: Mapped[str] = mapped_column(String(128))
+    created: Mapped[int] = mapped_column(BigInteger)
+    received_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    outcome: Mapped[str] = mapped_column(String(64))

@@ -1,0 +1,132 @@
+"""Exact daily request quotas in Redis, shared by every gateway process.
+
+Check-and-count is one Lua script: it reads the day's counter, refuses at the limit, otherwise
+increments and sets the expiry, atomically, so any number of gateways agree. A request that fails
+before its first token gives its unit back. If Redis is unreachable the caller gets
+:class:`QuotaUnavailable` (the gateway answers 503: fail closed, never per-process counters).
+
+Counters are only trusted while the marker key ``ff:quota:epoch`` exists. A Redis that lost its
+data (restart without persistence, failover, flush) has no marker: the script then refuses to
+count, and :meth:`DailyQuota.rebuild` recomputes the recent days' counters from the SQL ledger
+before setting the marker again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import date, datetime, timedelta
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+EPOCH_KEY = "ff:quota:epoch"
+REBUILD_LOCK_KEY = "ff:quota:rebuilding"
+# Counters outlive their day by this much, so a late give-back still finds them.
+EXPIRY_SLACK_S = 3600
+_REBUILT = -1
+
+_TAKE = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return {-1, 0} end
+local used = tonumber(redis.call('GET', KEYS[1]) or '0')
+if ARGV[1] ~= '-1' and used >= tonumber(ARGV[1]) then return {0, used} end
+used = redis.call('INCR', KEYS[1])
+redis.call('EXPIREAT', KEYS[1], ARGV[2])
+return {1, used}
+"""
+
+_GIVE_BACK = """
+local used = tonumber(redis.call('GET', KEYS[1]) or '0')
+if used > 0 then return redis.call('DECR', KEYS[1]) end
+return 0
+"""
+
+
+class QuotaUnavailable(Exception):
+    """Redis cannot be reached, so no request may be counted (and none is let through)."""
+
+
+def counter_key(account_id: int, day: str) -> str:
+    return f"ff:quota:{account_id}:{day}"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    allowed: bool
+    used: int
+    limit: int | None
+
+    @property
+    def remaining(self) -> int | None:
+        return None if self.limit is None else max(self.limit - self.used, 0)
+
+
+# (account_id, day) -> billable requests, for the days to rebuild.
+LedgerCounts = Callable[[list[str]], Awaitable[dict[tuple[int, str], int]]]
+
+
+class DailyQuota:
+    def __init__(self, redis: aioredis.Redis, ledger_counts: LedgerCounts) -> None:
+        self._redis = redis
+        self._take = redis.register_script(_TAKE)
+        self._give_back = redis.register_script(_GIVE_BACK)
+        self._ledger_counts = ledger_counts
+
+    async def take(self, account_id: int, day: str, limit: int | None, resets_at: datetime) -> Decision:
+        """Count one request against the day, unless the limit is reached."""
+        expire_at = int(resets_at.timestamp()) + EXPIRY_SLACK_S
+        key = counter_key(account_id, day)
+        for _ in range(50):
+            try:
+                allowed, used = await self._take(keys=[key, EPOCH_KEY], args=[-1 if limit is None else limit, expire_at])
+            except (RedisError, OSError) as exc:
+                raise QuotaUnavailable(str(exc)) from exc
+            if allowed != _REBUILT:
+                return Decision(allowed=bool(allowed), used=int(used), limit=limit)
+            await self.rebuild(day)
+        raise QuotaUnavailable("the quota counters are being rebuilt; retry shortly")
+
+    async def give_back(self, account_id: int, day: str) -> None:
+        try:
+            await self._give_back(keys=[counter_key(account_id, day)])
+        except (RedisError, OSError) as exc:
+            raise QuotaUnavailable(str(exc)) from exc
+
+    async def used(self, account_id: int, day: str) -> int:
+        try:
+            value = await self._redis.get(counter_key(account_id, day))
+        except (RedisError, OSError) as exc:
+            raise QuotaUnavailable(str(exc)) from exc
+        return int(value or 0)
+
+    async def rebuild(self, day: str) -> None:
+        """Recompute counters for ``day`` and its neighbours from the ledger, then trust them again."""
+        try:
+            if await self._redis.exists(EPOCH_KEY):
+                return
+            if not await self._redis.set(REBUILD_LOCK_KEY, 1, nx=True, ex=30):
+                await asyncio.sleep(0.05)  # another gateway is rebuilding
+                return
+            try:
+                days = _neighbour_days(day)
+                counts = await self._ledger_counts(days)
+                stale: list[bytes] = []
+                for count_day in days:
+                    stale += [key async for key in self._redis.scan_iter(match=f"ff:quota:*:{count_day}")]
+                async with self._redis.pipeline(transaction=True) as pipe:
+                    if stale:
+                        pipe.delete(*stale)
+                    for (account_id, count_day), count in counts.items():
+                        pipe.set(counter_key(account_id, count_day), count, ex=3 * 86400)
+                    pipe.set(EPOCH_KEY, 1)
+                    await pipe.execute()
+            finally:
+                await self._redis.delete(REBUILD_LOCK_KEY)
+        except (RedisError, OSError) as exc:
+            raise QuotaUnavailable(str(exc)) from exc
+
+
+def _neighbour_days(day: str) -> list[str]:
+    center = date.fromisoformat(day)
+    return [(center + timedelta(days=offset)).isoformat() for offset in (-1, 0, 1)]
