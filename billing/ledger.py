@@ -105,3 +105,16 @@ class Ledger:
                 .where(RequestRecord.billable.is_(True), RequestRecord.quota_day.in_(days))
                 .group_by(RequestRecord.account_id, RequestRecord.quota_day))
             return {(account_id, day): count for account_id, day, count in rows}
+
+
+async def daily_usage(sessions: async_sessionmaker[AsyncSession], account_id: int,
+                      days: list[str]) -> list[dict[str, object]]:
+    """Billable requests per day and model over ``days``, oldest first."""
+    async with sessions() as session:
+        rows = await session.execute(
+            select(RequestRecord.quota_day, RequestRecord.model, func.count())
+            .where(RequestRecord.account_id == account_id, RequestRecord.billable.is_(True),
+                   RequestRecord.quota_day.in_(days))
+            .group_by(RequestRecord.quota_day, RequestRecord.model)
+            .order_by(RequestRecord.quota_day, RequestRecord.model))
+        return [{"day": day, "model": model, "requests": count} for day, model, count in rows]

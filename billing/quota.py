@@ -109,6 +109,10 @@ class DailyQuota:
                 await asyncio.sleep(0.05)  # another gateway is rebuilding
                 return
             try:
+                # Checked again under the lock: a rebuild that just finished must not be redone,
+                # or it would wipe the units counted since.
+                if await self._redis.exists(EPOCH_KEY):
+                    return
                 days = _neighbour_days(day)
                 counts = await self._ledger_counts(days)
                 stale: list[bytes] = []

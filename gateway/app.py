@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from billing.ledger import Ledger
 from billing.quota import DailyQuota
 from flatfare.storage.db import create_engine, session_factory
-from gateway import health, routes
+from gateway import health, routes, usage
 from gateway.auth import Authenticator
 from gateway.completions import CompletionService
 from gateway.errors import install_handlers
@@ -55,5 +55,6 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     install_handlers(app)
     app.add_middleware(RateLimitHeaders)
     app.include_router(routes.router)
+    app.include_router(usage.router)
     app.include_router(health.router)
     return app

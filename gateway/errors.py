@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 _TYPES = {
@@ -93,6 +94,12 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         return validation_error(list(exc.errors()), exc.body).response()
+
+    @app.exception_handler(RedisError)
+    async def _redis_down(_: Request, exc: RedisError) -> JSONResponse:
+        # Fail closed: without Redis nothing can be counted, queued or routed.
+        return APIError(503, "The platform's queue is unreachable; retry shortly.", code="queue_unavailable",
+                        headers={"Retry-After": "1"}).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -35,9 +35,10 @@ class RateLimitHeaders:
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
                 headers = await self._headers(scope)
-                if headers:
-                    message["headers"] = [*message.get("headers", []),
-                                          *((k.encode(), v.encode()) for k, v in headers.items())]
+                present = {name.lower() for name, _ in message.get("headers", [])}
+                extra = [(k.encode(), v.encode()) for k, v in headers.items() if k.encode() not in present]
+                if extra:
+                    message["headers"] = [*message.get("headers", []), *extra]
             await send(message)
 
         await self.app(scope, receive, send_with_headers)

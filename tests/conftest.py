@@ -9,6 +9,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,8 +104,9 @@ class Stack:
     def sql(self, query: str, **params: object) -> list[tuple]:
         engine = create_engine(sync_url(self.database_url))
         try:
-            with engine.connect() as conn:
-                return [tuple(row) for row in conn.execute(text(query), params)]
+            with engine.begin() as conn:
+                result = conn.execute(text(query), params)
+                return [tuple(row) for row in result] if result.returns_rows else []
         finally:
             engine.dispose()
 
@@ -117,7 +119,9 @@ def _wait_ready(stack: Stack) -> None:
                 log = (stack.logs / f"{name}.log").read_text()[-4000:]
                 raise RuntimeError(f"the {name} exited with {proc.returncode}:\n{log}")
         try:
-            if httpx.get(f"{stack.base_url}/readyz", timeout=2).status_code == 200:
+            models = httpx.get(f"{stack.base_url}/v1/models", timeout=2,
+                               headers={"Authorization": f"Bearer {stack.api_key}"})
+            if models.status_code == 200 and any(m["id"] == stack.model for m in models.json()["data"]):
                 return
         except httpx.HTTPError:
             pass
@@ -135,41 +139,50 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """The whole platform, started once for every end-to-end test: SQLite, Redis, worker, gateway."""
-    data = tmp_path_factory.mktemp("stack")
-    local_redis = LocalRedis(data / "redis", persist=False).start()
+@contextmanager
+def launch_stack(data: Path, *, model: str = "smollm2-135m-instruct", worker_args: tuple[str, ...] = (),
+                 gateway_processes: int = 1, env: dict[str, str] | None = None,
+                 account_plan: str = "pro") -> Iterator[Stack]:
+    """Migrations, a private redis-server, one worker and the gateway; stopped on exit."""
     logs = data / "logs"
-    logs.mkdir()
+    logs.mkdir(parents=True)
+    local_redis = LocalRedis(data / "redis", persist=False).start()
     database_url = f"sqlite:///{data / 'flatfare.db'}"
-    env = {
+    full_env = {
         **os.environ,
         "FLATFARE_DATA_DIR": str(data),
         "FLATFARE_MODELS_DIR": str(MODELS_DIR),
         "FLATFARE_DATABASE_URL": database_url,
         "FLATFARE_REDIS_URL": local_redis.url,
-        # Eager mode starts the CPU engine in ~40 s instead of compiling for minutes.
-        "FLATFARE_ENGINE_OPTIONS": '{"enforce_eager": true}',
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_NO_USAGE_STATS": "1",
+        **(env or {}),
     }
     migrate(database_url)
     port = free_port()
     flatfare = [sys.executable, "-m", "flatfare"]
-    worker = subprocess.Popen([*flatfare, "worker"], env=env, cwd=data,
+    worker = subprocess.Popen([*flatfare, "worker", "--model", model, *worker_args], env=full_env, cwd=data,
                               stdout=(logs / "worker.log").open("wb"), stderr=subprocess.STDOUT)
-    gateway = subprocess.Popen([*flatfare, "gateway", "--port", str(port)], env=env, cwd=data,
-                               stdout=(logs / "gateway.log").open("wb"), stderr=subprocess.STDOUT)
+    gateway = subprocess.Popen([*flatfare, "gateway", "--port", str(port), "--processes", str(gateway_processes)],
+                               env=full_env, cwd=data, stdout=(logs / "gateway.log").open("wb"),
+                               stderr=subprocess.STDOUT)
     stack = Stack(base_url=f"http://127.0.0.1:{port}", api_key="", redis_url=local_redis.url,
-                  database_url=database_url, env=env, worker=worker, gateway=gateway, logs=logs)
+                  database_url=database_url, env=full_env, worker=worker, gateway=gateway, logs=logs, model=model)
     try:
-        created = stack.cli("keys", "create", "--account", "e2e", "--plan", "pro")
+        created = stack.cli("keys", "create", "--account", "e2e", "--plan", account_plan)
         assert created.returncode == 0, created.stderr
         stack.api_key = created.stdout.strip()
         _wait_ready(stack)
         yield stack
     finally:
         _stop(gateway)
-        _stop(worker)
+        _stop(stack.worker)
         local_redis.stop()
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The whole platform on the real engine, started once for every end-to-end test that needs it."""
+    # Eager mode starts the CPU engine in ~40 s instead of compiling for minutes.
+    with launch_stack(tmp_path_factory.mktemp("stack"), env={"FLATFARE_ENGINE_OPTIONS": '{"enforce_eager": true}'}) as s:
+        yield s

@@ -6,6 +6,7 @@ time taken out. Never serve it to customers: its answers are a fixed filler word
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,8 +23,10 @@ FILLER = " token"
 class InstantEngine:
     """Streams ``tokens`` chunks per request (``max_tokens`` lowers it), without any delay."""
 
-    def __init__(self, tokens: int = 16, capacity: int = 1024) -> None:
+    def __init__(self, tokens: int = 16, capacity: int = 1024, first_token_delay_s: float = 0.0) -> None:
         self.tokens = tokens
+        # Tests use a delay to catch a request between "taken by a worker" and "first token".
+        self.first_token_delay_s = first_token_delay_s
         self.max_model_len = 1 << 20
         self.max_num_seqs = capacity
         self._running = 0
@@ -40,6 +43,8 @@ class InstantEngine:
         rid = ("chatcmpl-" if chat else "cmpl-") + str(body.get("request_id") or uuid.uuid4().hex)
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": count, "total_tokens": prompt_tokens + count}
         if not body.get("stream"):
+            if self.first_token_delay_s:
+                await asyncio.sleep(self.first_token_delay_s)
             if chat:
                 choice = {"index": 0, "message": {"role": "assistant", "content": FILLER * count},
                           "finish_reason": "length", "logprobs": None}
@@ -57,6 +62,8 @@ class InstantEngine:
         obj = "chat.completion.chunk" if chat else "text_completion"
         self._running += 1
         try:
+            if self.first_token_delay_s:
+                await asyncio.sleep(self.first_token_delay_s)
             for i in range(count):
                 last = i == count - 1
                 if chat:

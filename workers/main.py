@@ -65,7 +65,8 @@ async def build_engine(settings: WorkerSettings, progress: Callable[[str], None]
     """The model's name and its started engine."""
     if settings.engine == "instant":
         progress(f"BENCHMARK ENGINE: '{settings.model}' answers with {settings.instant_tokens} filler tokens")
-        return settings.model, InstantEngine(settings.instant_tokens, settings.max_inflight or 1024)
+        return settings.model, InstantEngine(settings.instant_tokens, settings.max_inflight or 1024,
+                                             settings.instant_first_token_delay_s)
     spec = await load_spec(settings)
     progress(f"preparing model {spec.name}")
     model_path = await asyncio.to_thread(resolve_source, spec.source, settings.models_dir, progress)

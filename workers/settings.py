@@ -22,6 +22,8 @@ class WorkerSettings(CommonSettings):
     engine: Literal["vllm", "instant"] = "vllm"
     # Tokens the instant engine streams per request.
     instant_tokens: int = 16
+    # Seconds the instant engine waits before its first token (tests of failures before it).
+    instant_first_token_delay_s: float = 0.0
     worker_id: str = Field(default_factory=_default_worker_id)
     # Where the model comes from when the catalog has no entry for it (a folder or hub id).
     source: str = ""

@@ -1,0 +1,45 @@
+"""``GET /v1/usage``: a developer's own allowance today and their last 30 days."""
+
+from __future__ import annotations
+
+from datetime import UTC, date, datetime, timedelta
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from billing.ledger import daily_usage
+from billing.plans import quota_window
+from billing.quota import QuotaUnavailable
+from gateway.deps import CurrentCaller
+from gateway.errors import APIError
+
+router = APIRouter(prefix="/v1", tags=["account"])
+HISTORY_DAYS = 30
+
+
+@router.get("/usage")
+async def usage(request: Request, caller: CurrentCaller) -> dict[str, Any]:
+    state = request.app.state
+    now = datetime.now(UTC)
+    terms = await state.plans.terms(caller.account, now)
+    window = quota_window(terms.plan.timezone, now)
+    try:
+        used = await state.quota.used(caller.account_id, window.day)
+    except QuotaUnavailable:
+        raise APIError(503, "Usage cannot be read right now; retry shortly.", code="quota_unavailable") from None
+    today = date.fromisoformat(window.day)
+    days = [(today - timedelta(days=offset)).isoformat() for offset in range(HISTORY_DAYS - 1, -1, -1)]
+    return {
+        "object": "usage",
+        "account": caller.account_name,
+        "plan": terms.plan.name,
+        "today": {
+            "day": window.day,
+            "requests": used,
+            "limit": terms.daily_limit,
+            "remaining": None if terms.daily_limit is None else max(terms.daily_limit - used, 0),
+            "resets_at": window.resets_at.isoformat(),
+        },
+        "price_per_request_micros": terms.plan.price_per_request_micros,
+        "daily": await daily_usage(state.sessions, caller.account_id, days),
+    }

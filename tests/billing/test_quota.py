@@ -1,0 +1,85 @@
+"""The daily quota against a real redis-server: atomic, exact at the day boundary, rebuilt after a loss."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+
+import pytest
+
+from billing.plans import quota_window
+from billing.quota import EPOCH_KEY, DailyQuota, QuotaUnavailable, counter_key
+from flatfare.redis_conn import connect
+
+
+@pytest.fixture
+async def redis(redis_url: str):
+    client = connect(redis_url)
+    yield client
+    await client.aclose()
+
+
+def _quota(redis, ledger: dict[tuple[int, str], int] | None = None) -> DailyQuota:
+    async def counts(days: list[str]) -> dict[tuple[int, str], int]:
+        return {k: v for k, v in (ledger or {}).items() if k[1] in days}
+
+    return DailyQuota(redis, counts)
+
+
+async def test_concurrent_takes_stop_exactly_at_the_limit(redis) -> None:
+    quota = _quota(redis)
+    window = quota_window("UTC", datetime.now(UTC))
+    decisions = await asyncio.gather(*(quota.take(1, window.day, 60, window.resets_at) for _ in range(200)))
+    assert sum(d.allowed for d in decisions) == 60
+    assert await quota.used(1, window.day) == 60
+    assert sorted(d.used for d in decisions if d.allowed) == list(range(1, 61))
+
+
+async def test_day_boundary_with_an_injected_clock(redis) -> None:
+    quota = _quota(redis)
+    late = quota_window("UTC", datetime(2026, 12, 2, 23, 59, 59, 900_000, tzinfo=UTC))
+    early = quota_window("UTC", datetime(2026, 12, 3, 0, 0, 0, 100_000, tzinfo=UTC))
+    assert (await quota.take(7, late.day, 1, late.resets_at)).allowed
+    assert not (await quota.take(7, late.day, 1, late.resets_at)).allowed
+    assert (await quota.take(7, early.day, 1, early.resets_at)).allowed  # a new day, a new allowance
+    ttl = await redis.ttl(counter_key(7, late.day))
+    assert ttl > 0  # counters expire on their own
+
+
+async def test_give_back_returns_one_unit_and_never_goes_negative(redis) -> None:
+    quota = _quota(redis)
+    window = quota_window("UTC", datetime.now(UTC))
+    await quota.take(3, window.day, 2, window.resets_at)
+    await quota.take(3, window.day, 2, window.resets_at)
+    assert not (await quota.take(3, window.day, 2, window.resets_at)).allowed
+    await quota.give_back(3, window.day)
+    assert (await quota.take(3, window.day, 2, window.resets_at)).allowed
+    await quota.give_back(4, window.day)
+    assert await quota.used(4, window.day) == 0
+
+
+async def test_unlimited_accounts_are_counted_but_never_refused(redis) -> None:
+    quota = _quota(redis)
+    window = quota_window("UTC", datetime.now(UTC))
+    decisions = [await quota.take(5, window.day, None, window.resets_at) for _ in range(5)]
+    assert all(d.allowed and d.remaining is None for d in decisions) and decisions[-1].used == 5
+
+
+async def test_counters_are_rebuilt_from_the_ledger_after_a_redis_loss(redis) -> None:
+    window = quota_window("UTC", datetime.now(UTC))
+    quota = _quota(redis, {(9, window.day): 59})
+    await quota.take(9, window.day, 60, window.resets_at)
+    await redis.flushall()  # Redis lost everything: counters and the epoch marker
+    decision = await quota.take(9, window.day, 60, window.resets_at)
+    assert decision.allowed and decision.used == 60  # 59 from the ledger, plus this one
+    assert not (await quota.take(9, window.day, 60, window.resets_at)).allowed
+    assert await redis.exists(EPOCH_KEY)
+
+
+async def test_unreachable_redis_fails_closed() -> None:
+    client = connect("redis://127.0.0.1:1/0")
+    quota = _quota(client)
+    window = quota_window("UTC", datetime.now(UTC))
+    with pytest.raises(QuotaUnavailable):
+        await quota.take(1, window.day, 60, window.resets_at)
+    await client.aclose()
