@@ -15,6 +15,8 @@ app = typer.Typer(help="Flatfare: an OpenAI-compatible LLM API with flat per-req
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 keys_app = typer.Typer(help="API keys.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
+billing_app = typer.Typer(help="Usage reporting to Stripe.", no_args_is_help=True)
+app.add_typer(billing_app, name="billing")
 
 
 def _fail(message: str) -> None:
@@ -124,6 +126,54 @@ async def _create_key(account: str, plan: str | None, name: str) -> str:
             return issued.secret
     finally:
         await engine.dispose()
+
+
+@billing_app.command("reconcile")
+def billing_reconcile(day: Annotated[str, typer.Option(help="Quota day, YYYY-MM-DD.")]) -> None:
+    """Compare the day's billable ledger rows with the meter-event outbox and queue what is missing."""
+    from datetime import date
+
+    from billing.outbox import reconcile
+    from flatfare.storage.db import create_engine, session_factory
+
+    try:
+        date.fromisoformat(day)
+    except ValueError:
+        _fail(f"--day must look like 2026-12-02, not {day!r}")
+
+    async def run() -> None:
+        engine = create_engine(CommonSettings().resolved_database_url, pool_size=1)
+        try:
+            result = await reconcile(session_factory(engine), day)
+        finally:
+            await engine.dispose()
+        typer.echo(f"day {result.day}: {result.billable} billable requests, {result.in_outbox} in the outbox "
+                   f"({result.sent} sent), {result.repaired} missing rows queued")
+
+    asyncio.run(run())
+
+
+@billing_app.command("send-usage")
+def billing_send_usage() -> None:
+    """Send every due meter event now (the gateway also does this continuously)."""
+    from billing.outbox import OutboxSender
+    from billing.stripe_client import StripeGateway
+    from flatfare.storage.db import create_engine, session_factory
+    from gateway.settings import GatewaySettings
+
+    settings = GatewaySettings()
+    if not settings.stripe_enabled:
+        _fail("set FLATFARE_STRIPE_API_KEY and FLATFARE_STRIPE_WEBHOOK_SECRET")
+
+    async def run() -> int:
+        engine = create_engine(settings.resolved_database_url, pool_size=1)
+        stripe = StripeGateway(settings.stripe_config())
+        try:
+            return await OutboxSender(session_factory(engine), stripe).send_due()
+        finally:
+            await engine.dispose()
+
+    typer.echo(f"{asyncio.run(run())} meter events sent")
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -9,9 +10,13 @@ from flatfare.redis_conn import connect
 from fastapi import FastAPI
 
 from billing.ledger import Ledger
+from billing.outbox import OutboxSender
+from billing.stripe_client import StripeGateway
+from billing.webhooks import WebhookProcessor
+from flatfare.storage.accounts import AccountStore
 from billing.quota import DailyQuota
 from flatfare.storage.db import create_engine, session_factory
-from gateway import health, routes, usage
+from gateway import billing_routes, health, routes, usage
 from gateway.auth import Authenticator
 from gateway.completions import CompletionService
 from gateway.errors import install_handlers
@@ -44,9 +49,20 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         state.ledger = ledger
         state.completions = CompletionService(state.pools, Dispatcher(redis, settings.request_timeout_s),
                                               ledger, state.plans, state.quota)
+        state.accounts = AccountStore(sessions)
+        state.stripe = None
+        state.webhooks = WebhookProcessor(sessions, {price: plan for plan, price in settings.stripe_prices.items()})
+        stop = asyncio.Event()
+        background: list[asyncio.Task[None]] = []
+        if settings.stripe_enabled:
+            state.stripe = StripeGateway(settings.stripe_config())
+            sender = OutboxSender(sessions, state.stripe)
+            background.append(asyncio.create_task(sender.run(redis, stop, settings.billing_outbox_interval_s)))
         try:
             yield
         finally:
+            stop.set()
+            await asyncio.gather(*background, return_exceptions=True)
             await redis.aclose()
             await engine.dispose()
 
@@ -56,5 +72,6 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.add_middleware(RateLimitHeaders)
     app.include_router(routes.router)
     app.include_router(usage.router)
+    app.include_router(billing_routes.router)
     app.include_router(health.router)
     return app

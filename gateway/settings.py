@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pydantic import Field, SecretStr
+
+from billing.stripe_client import StripeConfig
 from flatfare.settings import CommonSettings
 
 
@@ -17,3 +20,25 @@ class GatewaySettings(CommonSettings):
     pools_cache_ttl_s: float = 0.5
     plans_cache_ttl_s: float = 0.5
     db_pool_size: int = 20
+
+    # Stripe. Billing endpoints answer 503 until a key and a webhook secret are set.
+    stripe_api_key: SecretStr = SecretStr("")
+    stripe_webhook_secret: SecretStr = SecretStr("")
+    # Another Stripe-compatible server (localstripe in tests); empty means Stripe itself.
+    stripe_api_base: str = ""
+    # Flatfare plan -> Stripe Price id, e.g. {"pro": "price_123", "premium": "price_456"}.
+    stripe_prices: dict[str, str] = Field(default_factory=dict)
+    stripe_meter_event_name: str = "flatfare_requests"
+    # Where Checkout and the customer portal send the developer back to.
+    public_url: str = "http://127.0.0.1:8000"
+    # Seconds between passes of the meter-event outbox (run by one gateway process at a time).
+    billing_outbox_interval_s: float = 1.0
+
+    @property
+    def stripe_enabled(self) -> bool:
+        return bool(self.stripe_api_key.get_secret_value() and self.stripe_webhook_secret.get_secret_value())
+
+    def stripe_config(self) -> StripeConfig:
+        return StripeConfig(api_key=self.stripe_api_key.get_secret_value(),
+                            webhook_secret=self.stripe_webhook_secret.get_secret_value(),
+                            api_base=self.stripe_api_base or None, meter_event_name=self.stripe_meter_event_name)

@@ -50,3 +50,18 @@ async def issue_key(session: AsyncSession, account: Account, name: str = "") -> 
     session.add(key)
     await session.flush()
     return IssuedKey(account_id=account.id, key_id=key.id, secret=secret)
+
+
+class AccountStore:
+    """Account writes the gateway makes outside the request path."""
+
+    def __init__(self, sessions) -> None:  # noqa: ANN001 - an async_sessionmaker
+        self._sessions = sessions
+
+    async def link_customer(self, account_id: int, customer_id: str) -> str:
+        """Record the account's Stripe customer; the first one linked wins a race."""
+        async with self._sessions() as session, session.begin():
+            account = await session.get(Account, account_id, with_for_update=True)
+            if account.stripe_customer_id is None:
+                account.stripe_customer_id = customer_id
+            return account.stripe_customer_id

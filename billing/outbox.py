@@ -1,0 +1,120 @@
+"""Delivering the meter-event outbox to Stripe, and reconciling it with the ledger.
+
+Rows are written by :meth:`billing.ledger.Ledger.close` in the transaction that makes a request
+billable, so none is lost. Each is sent with ``identifier`` = the request id, which Stripe
+de-duplicates, so a row sent twice (a crash between sending and marking) is still billed once.
+Failures back off exponentially; a row never disappears until it is sent (or skipped because the
+account has no Stripe customer, i.e. is not billed through Stripe).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+import redis.asyncio as aioredis
+from sqlalchemy import func, select, update
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from billing.stripe_client import BillingError, StripeGateway
+from flatfare.storage.models import Account, OutboxStatus, RequestRecord, UsageOutbox
+
+log = logging.getLogger("flatfare.billing")
+
+LEADER_KEY = "ff:billing:outbox-leader"
+BATCH = 100
+MAX_BACKOFF_S = 3600
+
+
+def backoff(attempts: int) -> timedelta:
+    return timedelta(seconds=min(2 ** max(attempts - 1, 0), MAX_BACKOFF_S))
+
+
+class OutboxSender:
+    def __init__(self, sessions: async_sessionmaker[AsyncSession], stripe: StripeGateway) -> None:
+        self._sessions = sessions
+        self._stripe = stripe
+
+    async def send_due(self, now: datetime | None = None) -> int:
+        """Send every row that is due; returns how many were sent."""
+        now = now or datetime.now(UTC)
+        async with self._sessions() as session:
+            rows = (await session.execute(
+                select(UsageOutbox, Account.stripe_customer_id)
+                .join(Account, Account.id == UsageOutbox.account_id)
+                .where(UsageOutbox.status == OutboxStatus.PENDING.value, UsageOutbox.next_attempt_at <= now)
+                .order_by(UsageOutbox.next_attempt_at).limit(BATCH))).all()
+        sent = 0
+        for row, customer_id in rows:
+            sent += await self._send_one(row, customer_id, now)
+        return sent
+
+    async def _send_one(self, row: UsageOutbox, customer_id: str | None, now: datetime) -> int:
+        values: dict[str, object]
+        if customer_id is None:
+            values = {"status": OutboxStatus.SKIPPED.value, "last_error": "account has no Stripe customer"}
+        else:
+            try:
+                created = row.created_at if row.created_at.tzinfo else row.created_at.replace(tzinfo=UTC)
+                await self._stripe.send_meter_event(customer_id=customer_id, identifier=row.request_id,
+                                                    timestamp=int(created.timestamp()))
+                values = {"status": OutboxStatus.SENT.value, "sent_at": now, "attempts": row.attempts + 1}
+            except BillingError as exc:
+                attempts = row.attempts + 1
+                log.warning("meter event for %s failed (attempt %d): %s", row.request_id, attempts, exc)
+                values = {"attempts": attempts, "next_attempt_at": now + backoff(attempts),
+                          "last_error": str(exc)[:500]}
+        async with self._sessions() as session:
+            await session.execute(update(UsageOutbox).where(
+                UsageOutbox.request_id == row.request_id, UsageOutbox.status == OutboxStatus.PENDING.value)
+                .values(**values))
+            await session.commit()
+        return int(values.get("status") == OutboxStatus.SENT.value)
+
+    async def run(self, redis: aioredis.Redis, stop: asyncio.Event, interval_s: float = 1.0) -> None:
+        """Send due rows every ``interval_s``, in one process at a time (a lease in Redis)."""
+        me = uuid.uuid4().hex.encode()
+        lease_s = max(int(interval_s * 10), 5)
+        while not stop.is_set():
+            try:
+                if await redis.set(LEADER_KEY, me, nx=True, ex=lease_s) or await redis.get(LEADER_KEY) == me:
+                    await redis.expire(LEADER_KEY, lease_s)
+                    await self.send_due()
+            except Exception:  # noqa: BLE001 - the loop must outlive a database or Redis hiccup
+                log.exception("outbox pass failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Reconciliation:
+    day: str
+    billable: int
+    in_outbox: int
+    sent: int
+    repaired: int
+
+
+async def reconcile(sessions: async_sessionmaker[AsyncSession], day: str) -> Reconciliation:
+    """Compare the day's priced, billable ledger rows with the outbox and add the missing rows."""
+    now = datetime.now(UTC)
+    async with sessions() as session, session.begin():
+        billable = select(RequestRecord.id, RequestRecord.account_id).where(
+            RequestRecord.quota_day == day, RequestRecord.billable.is_(True), RequestRecord.price_micros > 0,
+            RequestRecord.status != "queued")
+        missing = (await session.execute(
+            billable.where(~RequestRecord.id.in_(select(UsageOutbox.request_id))))).all()
+        for request_id, account_id in missing:
+            session.add(UsageOutbox(request_id=request_id, account_id=account_id, day=day, created_at=now,
+                                    status=OutboxStatus.PENDING.value, attempts=0, next_attempt_at=now))
+        await session.flush()
+        total = await session.scalar(select(func.count()).select_from(billable.subquery()))
+        in_outbox = await session.scalar(select(func.count()).where(UsageOutbox.day == day))
+        sent = await session.scalar(select(func.count()).where(
+            UsageOutbox.day == day, UsageOutbox.status == OutboxStatus.SENT.value))
+    return Reconciliation(day=day, billable=total or 0, in_outbox=in_outbox or 0, sent=sent or 0,
+                          repaired=len(missing))

@@ -1,0 +1,91 @@
+"""The only module that calls Stripe. Stripe's errors become :class:`BillingError` here.
+
+Uses the official SDK's ``StripeClient`` with its async httpx transport; ``api_base`` points it at
+localstripe (or any Stripe-compatible server) in tests and local runs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import stripe
+
+
+class BillingError(Exception):
+    """A Stripe call failed. ``retryable`` says whether trying again later may succeed."""
+
+    def __init__(self, message: str, *, retryable: bool, status: int | None = None) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+        self.status = status
+
+
+class InvalidWebhook(Exception):
+    """A webhook whose signature, timestamp or body does not verify."""
+
+
+@dataclass(frozen=True, slots=True)
+class StripeConfig:
+    api_key: str
+    webhook_secret: str
+    api_base: str | None = None
+    meter_event_name: str = "flatfare_requests"
+    webhook_tolerance_s: int = 300
+
+
+def _translate(exc: stripe.StripeError) -> BillingError:
+    status = getattr(exc, "http_status", None)
+    retryable = isinstance(exc, (stripe.APIConnectionError, stripe.RateLimitError)) or (status or 0) >= 500
+    return BillingError(f"Stripe: {exc.user_message or exc.__class__.__name__}", retryable=retryable, status=status)
+
+
+class StripeGateway:
+    def __init__(self, config: StripeConfig) -> None:
+        self.config = config
+        base = {"api": config.api_base} if config.api_base else None
+        self._client = stripe.StripeClient(config.api_key, base_addresses=base, max_network_retries=0,
+                                           http_client=stripe.HTTPXClient(timeout=20))
+
+    async def _call(self, coroutine: Any) -> Any:
+        try:
+            return await coroutine
+        except stripe.StripeError as exc:
+            raise _translate(exc) from exc
+
+    async def create_customer(self, account_id: int, account_name: str) -> str:
+        customer = await self._call(self._client.v1.customers.create_async(
+            params={"name": account_name, "metadata": {"flatfare_account_id": str(account_id)}}))
+        return customer.id
+
+    async def create_checkout_session(self, *, customer_id: str, price_id: str, account_id: int,
+                                      success_url: str, cancel_url: str) -> tuple[str, str]:
+        session = await self._call(self._client.v1.checkout.sessions.create_async(params={
+            "mode": "subscription", "customer": customer_id, "client_reference_id": str(account_id),
+            "line_items": [{"price": price_id, "quantity": 1}], "success_url": success_url,
+            "cancel_url": cancel_url}))
+        return session.id, session.url
+
+    async def create_portal_session(self, *, customer_id: str, return_url: str) -> str:
+        session = await self._call(self._client.v1.billing_portal.sessions.create_async(
+            params={"customer": customer_id, "return_url": return_url}))
+        return session.url
+
+    async def send_meter_event(self, *, customer_id: str, identifier: str, timestamp: int, value: int = 1) -> None:
+        """One billable request; Stripe drops a repeated ``identifier``, so a retry never double-bills."""
+        await self._call(self._client.v1.billing.meter_events.create_async(params={
+            "event_name": self.config.meter_event_name, "identifier": identifier, "timestamp": timestamp,
+            "payload": {"stripe_customer_id": customer_id, "value": str(value)}}))
+
+    def verify_webhook(self, payload: bytes, signature: str | None) -> dict[str, Any]:
+        """The event as a dict, after checking its signature and a 300 s timestamp tolerance."""
+        try:
+            stripe.Webhook.construct_event(payload, signature, self.config.webhook_secret,
+                                           tolerance=self.config.webhook_tolerance_s)
+            event = json.loads(payload)
+        except (stripe.SignatureVerificationError, ValueError) as exc:
+            raise InvalidWebhook(str(exc)) from exc
+        if not isinstance(event, dict) or not {"id", "type", "created", "data"} <= event.keys():
+            raise InvalidWebhook("not a Stripe event")
+        return event
