@@ -89,3 +89,19 @@ async def test_ledger_opens_and_closes_one_row(sessions) -> None:
 def test_downgrade_and_upgrade_again(database_url: str) -> None:
     command.downgrade(alembic_config(database_url), "base")
     migrate(database_url)
+
+
+def test_migrations_match_the_models(database_url: str) -> None:
+    """What `alembic revision --autogenerate` would find: nothing."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.runtime.migration import MigrationContext
+    from sqlalchemy import create_engine as create_sync_engine
+
+    from flatfare.storage.models import Base
+    from tests.conftest import sync_url
+
+    engine = create_sync_engine(sync_url(database_url))
+    with engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
+    engine.dispose()
+    assert diff == []
