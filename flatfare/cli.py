@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
+from flatfare.admin_cli import app as admin_app
 from flatfare.settings import DEFAULT_MODEL, CommonSettings
 
 app = typer.Typer(help="Flatfare: an OpenAI-compatible LLM API with flat per-request pricing.",
@@ -17,6 +18,7 @@ keys_app = typer.Typer(help="API keys.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 billing_app = typer.Typer(help="Usage reporting to Stripe.", no_args_is_help=True)
 app.add_typer(billing_app, name="billing")
+app.add_typer(admin_app, name="admin")
 
 
 def _fail(message: str) -> None:

@@ -16,7 +16,8 @@ from billing.webhooks import WebhookProcessor
 from flatfare.storage.accounts import AccountStore
 from billing.quota import DailyQuota
 from flatfare.storage.db import create_engine, session_factory
-from gateway import billing_routes, health, routes, usage
+from gateway import admin, billing_routes, health, routes, usage
+from gateway.admin.auth import AdminAuthenticator
 from gateway.auth import Authenticator
 from gateway.completions import CompletionService
 from gateway.errors import install_handlers
@@ -42,6 +43,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         state.redis = redis
         state.sessions = sessions
         state.authenticator = Authenticator(sessions, settings.auth_cache_ttl_s)
+        state.admin_auth = AdminAuthenticator(sessions, settings.auth_cache_ttl_s)
         state.pools = Pools(redis, sessions, settings.pools_cache_ttl_s)
         ledger = Ledger(sessions)
         state.plans = PlanBook(sessions, settings.plans_cache_ttl_s)
@@ -73,5 +75,6 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(routes.router)
     app.include_router(usage.router)
     app.include_router(billing_routes.router)
+    app.include_router(admin.router)
     app.include_router(health.router)
     return app

@@ -157,6 +157,10 @@ class CompletionService:
         now = datetime.now(UTC)
         terms = await self._plans.terms(caller.account, now)
         check_caps(parsed, terms, len(raw))
+        entry = (await self._pools.catalog()).get(parsed.model)
+        if entry is not None and not entry.allows_plan(terms.plan.name):
+            raise APIError(403, f"The model '{parsed.model}' is not offered on the {terms.plan.name} plan.",
+                           param="model", code="model_not_allowed")
         pool = await self._pools.route(parsed.model)
         check_fits(parsed, pool)
         for field in _RESERVED_FIELDS:

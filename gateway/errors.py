@@ -92,8 +92,14 @@ def install_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(list(exc.errors()), exc.body).response()
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        error = validation_error(list(exc.errors()), exc.body)
+        if request.url.path.startswith("/admin/"):
+            # The admin API follows REST conventions: a well-formed request with bad fields is 422.
+            first = exc.errors()[0]
+            loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+            error = APIError(422, error.message, param=error.param or ".".join(loc) or None, code=error.code)
+        return error.response()
 
     @app.exception_handler(RedisError)
     async def _redis_down(_: Request, exc: RedisError) -> JSONResponse:

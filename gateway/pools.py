@@ -22,6 +22,11 @@ class CatalogEntry:
     enabled: bool
     min_workers: int
     created: int
+    # Plans that may use the model; None: any plan whose own list allows it.
+    plans: frozenset[str] | None = None
+
+    def allows_plan(self, plan: str) -> bool:
+        return self.plans is None or plan in self.plans
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +55,8 @@ class Pools:
             return entries
         async with self._sessions() as session:
             rows = (await session.scalars(select(CatalogModel))).all()
-        entries = {row.name: CatalogEntry(row.name, row.enabled, row.min_workers, _epoch(row.created_at))
+        entries = {row.name: CatalogEntry(row.name, row.enabled, row.min_workers, _epoch(row.created_at),
+                                          frozenset(row.plans) if row.plans is not None else None)
                    for row in rows}
         self._catalog = (time.monotonic() + self._ttl_s, entries)
         return entries

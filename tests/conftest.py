@@ -44,7 +44,7 @@ def redis_url(local_redis: LocalRedis) -> Iterator[str]:
     yield local_redis.url
 
 
-def _postgres_database() -> Iterator[str]:
+def postgres_database() -> Iterator[str]:
     """A fresh PostgreSQL database, dropped afterwards."""
     admin_url = make_url(POSTGRES_URL).set(drivername="postgresql+psycopg")
     name = f"flatfare_test_{uuid.uuid4().hex[:10]}"
@@ -73,7 +73,7 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
         migrate(url)
         yield url
     else:
-        for url in _postgres_database():
+        for url in postgres_database():
             migrate(url)
             yield url
 
@@ -142,12 +142,12 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 @contextmanager
 def launch_stack(data: Path, *, model: str = "smollm2-135m-instruct", worker_args: tuple[str, ...] = (),
                  gateway_processes: int = 1, env: dict[str, str] | None = None,
-                 account_plan: str = "pro") -> Iterator[Stack]:
+                 account_plan: str = "pro", database_url: str | None = None) -> Iterator[Stack]:
     """Migrations, a private redis-server, one worker and the gateway; stopped on exit."""
     logs = data / "logs"
     logs.mkdir(parents=True)
     local_redis = LocalRedis(data / "redis", persist=False).start()
-    database_url = f"sqlite:///{data / 'flatfare.db'}"
+    database_url = database_url or f"sqlite:///{data / 'flatfare.db'}"
     full_env = {
         **os.environ,
         "FLATFARE_DATA_DIR": str(data),

@@ -8,8 +8,8 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from flatfare.storage.keys import hash_key, new_key, visible_prefix
-from flatfare.storage.models import Account, ApiKey, Plan
+from flatfare.storage.keys import ADMIN_PREFIX, hash_key, new_key, visible_prefix
+from flatfare.storage.models import Account, AdminToken, ApiKey, Plan
 
 
 class AccountError(Exception):
@@ -65,3 +65,15 @@ class AccountStore:
             if account.stripe_customer_id is None:
                 account.stripe_customer_id = customer_id
             return account.stripe_customer_id
+
+
+async def issue_admin_token(session: AsyncSession, name: str, scopes: list[str],
+                            created_by: int | None = None) -> tuple[AdminToken, str]:
+    """Create an admin token; the secret is returned here and stored nowhere."""
+    secret = new_key(ADMIN_PREFIX)
+    token = AdminToken(name=name, prefix=visible_prefix(secret), token_hash=hash_key(secret),
+                       scopes=sorted(set(scopes)), created_by=created_by)
+    session.add(token)
+    await session.flush()
+    await session.refresh(token)
+    return token, secret

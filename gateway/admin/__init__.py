@@ -1,0 +1,10 @@
+"""The admin API under ``/admin/v1``: plans, models, accounts, keys, usage, audit, admin tokens."""
+
+from fastapi import APIRouter
+
+from gateway.admin import accounts, catalog, reports
+
+router = APIRouter(prefix="/admin/v1", tags=["admin"])
+router.include_router(catalog.router)
+router.include_router(accounts.router)
+router.include_router(reports.router)

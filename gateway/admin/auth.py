@@ -1,0 +1,75 @@
+"""Admin tokens (``ffa-...``) with scopes. API keys are refused here with 403, no credentials with 401."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from flatfare.storage.keys import ADMIN_PREFIX, KEY_PREFIX, hash_key, hashes_match, looks_like_key
+from flatfare.storage.models import AdminToken
+from gateway.errors import APIError
+
+
+class Scope(StrEnum):
+    READ = "admin:read"
+    WRITE = "admin:write"
+
+
+@dataclass(frozen=True, slots=True)
+class Admin:
+    token_id: int
+    name: str
+    scopes: frozenset[str]
+
+
+class AdminAuthenticator:
+    def __init__(self, sessions: async_sessionmaker[AsyncSession], ttl_s: float) -> None:
+        self._sessions = sessions
+        self._ttl_s = ttl_s
+        self._cache: dict[str, tuple[float, Admin | None]] = {}
+
+    async def authenticate(self, authorization: str | None) -> Admin:
+        if not authorization:
+            raise APIError(401, "Admin routes need 'Authorization: Bearer ffa-...'.", code="missing_admin_token")
+        scheme, _, token = authorization.partition(" ")
+        token = token.strip()
+        if scheme.lower() == "bearer" and token.startswith(KEY_PREFIX):
+            raise APIError(403, "API keys cannot use the admin API; use an admin token.", code="api_key_not_allowed")
+        if scheme.lower() != "bearer" or not looks_like_key(token, ADMIN_PREFIX):
+            raise APIError(401, "Invalid admin token.", code="invalid_admin_token")
+        token_hash = hash_key(token)
+        now = time.monotonic()
+        cached = self._cache.get(token_hash)
+        if cached is None or cached[0] < now:
+            cached = (now + self._ttl_s, await self._lookup(token, token_hash))
+            self._cache[token_hash] = cached
+        if cached[1] is None:
+            raise APIError(401, "Invalid or revoked admin token.", code="invalid_admin_token")
+        return cached[1]
+
+    async def _lookup(self, token: str, token_hash: str) -> Admin | None:
+        async with self._sessions() as session:
+            row = await session.scalar(select(AdminToken).where(AdminToken.token_hash == token_hash))
+        if row is None or row.revoked_at is not None or not hashes_match(row.token_hash, token):
+            return None
+        return Admin(token_id=row.id, name=row.name, scopes=frozenset(row.scopes))
+
+
+def _require(scope: Scope):  # noqa: ANN202 - a dependency factory
+    async def dependency(request: Request, authorization: Annotated[str | None, Header()] = None) -> Admin:
+        admin = await request.app.state.admin_auth.authenticate(authorization)
+        if scope not in admin.scopes:
+            raise APIError(403, f"This admin token lacks the '{scope}' scope.", code="insufficient_scope")
+        return admin
+
+    return dependency
+
+
+AdminReader = Annotated[Admin, Depends(_require(Scope.READ))]
+AdminWriter = Annotated[Admin, Depends(_require(Scope.WRITE))]

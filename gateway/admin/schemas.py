@@ -1,0 +1,234 @@
+"""Admin wire models. Create/Update models forbid unknown fields, so nothing that is not the
+caller's to set (ids, hashes, audit fields, Stripe state) can be applied: it is refused with 422."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Generic, Literal, TypeVar
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from flatfare.storage.models import Lane
+
+Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9._-]*$")]
+ModelName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$")]
+T = TypeVar("T")
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+
+class Page(BaseModel, Generic[T]):
+    object: Literal["list"] = "list"
+    data: list[T]
+    has_more: bool
+    next_cursor: str | None = None
+
+
+# -- plans -------------------------------------------------------------------------------------
+
+class _PlanFields(_In):
+    display_name: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+    daily_limit: Annotated[int, Field(ge=0)] | None = None
+    price_per_request_micros: Annotated[int, Field(ge=0)] | None = None
+    monthly_price_cents: Annotated[int, Field(ge=0)] | None = None
+    lane: Lane | None = None
+    allowed_models: list[ModelName] | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_n: Annotated[int, Field(ge=1, le=128)] | None = None
+    max_body_bytes: Annotated[int, Field(ge=1024, le=64 * 1024 * 1024)] | None = None
+    timezone: str | None = None
+    trial_days: Annotated[int, Field(ge=1, le=365)] | None = None
+    retired: bool | None = None
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_zone(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                ZoneInfo(value)
+            except (ZoneInfoNotFoundError, ValueError):
+                raise ValueError(f"unknown timezone {value!r}; use an IANA name such as 'UTC' or 'Europe/Paris'")
+        return value
+
+
+class PlanCreate(_PlanFields):
+    name: Name
+    display_name: Annotated[str, Field(min_length=1, max_length=128)]
+
+
+class PlanUpdate(_PlanFields):
+    pass
+
+
+class PlanPublic(_Out):
+    name: str
+    display_name: str
+    daily_limit: int | None
+    price_per_request_micros: int
+    monthly_price_cents: int
+    lane: str
+    allowed_models: list[str] | None
+    max_output_tokens: int | None
+    max_n: int
+    max_body_bytes: int
+    timezone: str
+    trial_days: int | None
+    retired: bool
+
+
+# -- models ------------------------------------------------------------------------------------
+
+class SpeculativeConfig(_In):
+    method: Literal["ngram", "draft_model", "eagle", "eagle3", "mtp"]
+    num_speculative_tokens: Annotated[int, Field(ge=1, le=16)]
+    model: str | None = None
+    prompt_lookup_max: Annotated[int, Field(ge=1)] | None = None
+    prompt_lookup_min: Annotated[int, Field(ge=1)] | None = None
+
+
+class EngineOptions(_In):
+    """The vLLM engine options a catalog entry may set (``vllm serve``'s names)."""
+
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] | None = None
+    max_model_len: Annotated[int, Field(ge=16)] | None = None
+    tensor_parallel_size: Annotated[int, Field(ge=1, le=64)] | None = None
+    quantization: Literal["awq", "awq_marlin", "gptq", "gptq_marlin", "fp8", "compressed-tensors",
+                          "bitsandbytes"] | None = None
+    enable_prefix_caching: bool | None = None
+    speculative_config: SpeculativeConfig | None = None
+    cpu_offload_gb: Annotated[float, Field(ge=0)] | None = None
+    load_format: Literal["auto", "safetensors", "pt", "dummy", "gguf"] | None = None
+    enforce_eager: bool | None = None
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = None
+    max_num_seqs: Annotated[int, Field(ge=1)] | None = None
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] | None = None
+
+    def as_options(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+class _ModelFields(_In):
+    source: Annotated[str, Field(min_length=1, max_length=512)] | None = None
+    engine_options: EngineOptions | None = None
+    plans: list[Name] | None = None
+    pinned: bool | None = None
+    min_workers: Annotated[int, Field(ge=0, le=1024)] | None = None
+    enabled: bool | None = None
+
+
+class ModelCreate(_ModelFields):
+    name: ModelName
+    source: Annotated[str, Field(min_length=1, max_length=512)]
+
+
+class ModelUpdate(_ModelFields):
+    pass
+
+
+class ModelPublic(_Out):
+    name: str
+    source: str
+    engine_options: dict[str, Any]
+    plans: list[str] | None
+    pinned: bool
+    min_workers: int
+    enabled: bool
+    created_at: datetime
+    live_workers: int = 0
+
+
+# -- accounts and keys -------------------------------------------------------------------------
+
+class AccountCreate(_In):
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+    plan: Name = "free"
+    daily_limit_override: Annotated[int, Field(ge=0)] | None = None
+    unlimited: bool = False
+    dedicated_pool: Annotated[str, Field(max_length=128)] | None = None
+
+
+class AccountUpdate(_In):
+    name: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+    plan: Name | None = None
+    status: Literal["active", "suspended", "past_due"] | None = None
+    daily_limit_override: Annotated[int, Field(ge=0)] | None = None
+    unlimited: bool | None = None
+    dedicated_pool: Annotated[str, Field(max_length=128)] | None = None
+
+
+class AccountPublic(_Out):
+    id: int
+    name: str
+    plan: str
+    status: str
+    created_at: datetime
+    trial_ends_at: datetime | None
+    daily_limit_override: int | None
+    unlimited: bool
+    dedicated_pool: str | None
+    stripe_customer_id: str | None
+    subscription_status: str | None
+
+
+class KeyCreate(_In):
+    name: Annotated[str, Field(max_length=128)] = ""
+
+
+class KeyRotate(_In):
+    grace_seconds: Annotated[int, Field(ge=0, le=30 * 86400)] = 86400
+    name: Annotated[str, Field(max_length=128)] | None = None
+
+
+class KeyPublic(_Out):
+    id: int
+    account_id: int
+    name: str
+    prefix: str
+    created_at: datetime
+    last_used_at: datetime | None
+    revoked_at: datetime | None
+    expires_at: datetime | None
+
+
+class KeyCreated(KeyPublic):
+    key: str = Field(description="The secret. Shown once, never again.")
+
+
+# -- admin tokens, audit -----------------------------------------------------------------------
+
+class TokenCreate(_In):
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+    scopes: Annotated[list[Literal["admin:read", "admin:write"]], Field(min_length=1)]
+
+
+class TokenPublic(_Out):
+    id: int
+    name: str
+    prefix: str
+    scopes: list[str]
+    created_at: datetime
+    created_by: int | None
+    revoked_at: datetime | None
+
+
+class TokenCreated(TokenPublic):
+    token: str = Field(description="The secret. Shown once, never again.")
+
+
+class AuditPublic(_Out):
+    id: int
+    at: datetime
+    actor_id: int | None
+    actor: str
+    action: str
+    resource_type: str
+    resource_id: str
+    before: dict[str, Any] | None
+    after: dict[str, Any] | None

@@ -1,0 +1,282 @@
+"""The admin API through httpx against a running gateway, on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from flatfare.redis_local import free_port
+from tests.conftest import launch_stack, postgres_database
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "instant"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+class Admin:
+    def __init__(self, base_url: str, token: str) -> None:
+        self.http = httpx.Client(base_url=f"{base_url}/admin/v1", headers={"Authorization": f"Bearer {token}"},
+                                 timeout=30)
+
+    def __getattr__(self, name: str):  # get/post/patch/delete
+        return getattr(self.http, name)
+
+
+@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def astack(request, tmp_path_factory):
+    database = postgres_database() if request.param == "postgresql" else iter([None])
+    url = next(database)
+    try:
+        with launch_stack(tmp_path_factory.mktemp(f"admin-{request.param}"), model=MODEL,
+                          worker_args=("--engine", "instant"), database_url=url,
+                          env={"FLATFARE_PLANS_CACHE_TTL_S": "0.3"}) as stack:
+            token = stack.cli("admin", "bootstrap", "--name", "ops")
+            assert token.returncode == 0, token.stderr
+            stack.admin_token = token.stdout.strip()
+            # A second gateway process on its own port: changes must reach it too.
+            port = free_port()
+            second = subprocess.Popen([sys.executable, "-m", "flatfare", "gateway", "--port", str(port)],
+                                      env=stack.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stack.second_url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    if httpx.get(f"{stack.second_url}/healthz").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.2)
+            try:
+                yield stack
+            finally:
+                second.terminate()
+                second.wait(10)
+    finally:
+        for _ in database:  # drops the PostgreSQL database
+            pass
+
+
+@pytest.fixture(scope="module")
+def admin(astack) -> Admin:
+    return Admin(astack.base_url, astack.admin_token)
+
+
+def _chat(base_url: str, key: str, model: str = MODEL) -> httpx.Response:
+    return httpx.post(f"{base_url}/v1/chat/completions", json={"model": model, "messages": MESSAGES},
+                      headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+
+def _audit_actions(admin: Admin) -> list[str]:
+    return [e["action"] for e in admin.get("/audit", params={"limit": 200}).json()["data"]]
+
+
+def test_credentials_and_scopes(astack, admin) -> None:
+    assert httpx.get(f"{astack.base_url}/admin/v1/plans").status_code == 401
+    with_key = httpx.get(f"{astack.base_url}/admin/v1/plans", headers={"Authorization": f"Bearer {astack.api_key}"})
+    assert with_key.status_code == 403 and with_key.json()["error"]["code"] == "api_key_not_allowed"
+    reader = admin.post("/tokens", json={"name": "dashboards", "scopes": ["admin:read"]}).json()
+    assert reader["token"].startswith("ffa-") and reader["scopes"] == ["admin:read"]
+    read_only = Admin(astack.base_url, reader["token"])
+    assert read_only.get("/plans").status_code == 200
+    refused = read_only.patch("/plans/free", json={"daily_limit": 1})
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "insufficient_scope"
+    escalate = read_only.post("/tokens", json={"name": "x", "scopes": ["admin:write"]})
+    assert escalate.status_code == 403
+    listed = admin.get("/tokens").json()["data"]
+    assert all("token" not in t and "token_hash" not in t for t in listed)
+    # An admin token is not an API key either.
+    assert _chat(astack.base_url, reader["token"]).status_code == 401
+
+
+def test_plans_crud_takes_effect_on_the_next_request(astack, admin) -> None:
+    created = admin.post("/plans", json={"name": "gold", "display_name": "Gold", "daily_limit": 100,
+                                         "price_per_request_micros": 1000, "lane": "premium"})
+    assert created.status_code == 201 and created.json()["daily_limit"] == 100
+    assert admin.post("/plans", json={"name": "gold", "display_name": "Again"}).status_code == 409
+    account = admin.post("/accounts", json={"name": "goldie", "plan": "gold"}).json()
+    key = admin.post(f"/accounts/{account['id']}/keys", json={"name": "main"}).json()["key"]
+    assert _chat(astack.base_url, key).headers["x-ratelimit-limit-requests"] == "100"
+    assert admin.patch("/plans/gold", json={"daily_limit": 250}).json()["daily_limit"] == 250
+    time.sleep(0.4)  # the plans cache of every gateway process
+    for base in (astack.base_url, astack.second_url):
+        assert _chat(base, key).headers["x-ratelimit-limit-requests"] == "250"
+    in_use = admin.delete("/plans/gold")
+    assert in_use.status_code == 409 and in_use.json()["error"]["code"] == "plan_in_use"
+    assert admin.patch("/plans/gold", json={"retired": True}).json()["retired"] is True
+    admin.post("/plans", json={"name": "tmp", "display_name": "Temporary"})
+    assert admin.delete("/plans/tmp").status_code == 204
+    assert admin.get("/plans/tmp").status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/plans/pro", {"daily_limit": -1}, "daily_limit"),
+        ("/plans/pro", {"timezone": "Mars/Olympus"}, "timezone"),
+        ("/plans/pro", {"name": "renamed"}, "name"),
+        ("/plans/pro", {"lane": "fast"}, "lane"),
+        ("/models/smollm2-135m-instruct", {"engine_options": {"quantization": "magic"}},
+         "engine_options.quantization"),
+        ("/models/smollm2-135m-instruct", {"engine_options": {"tensor_parallel_size": 0}},
+         "engine_options.tensor_parallel_size"),
+        ("/models/smollm2-135m-instruct", {"created_at": "2020-01-01"}, "created_at"),
+    ],
+)
+def test_invalid_or_forbidden_fields_get_422_naming_them(admin, path, body, param) -> None:
+    before = admin.get(path).json()
+    response = admin.patch(path, json=body)
+    assert response.status_code == 422
+    assert response.json()["error"]["param"] == param
+    assert admin.get(path).json() == before
+
+
+def test_accounts_with_forbidden_fields_and_unknown_ids(admin) -> None:
+    assert admin.post("/accounts", json={"name": "x", "id": 99}).status_code == 422
+    assert admin.post("/accounts", json={"name": "x", "stripe_customer_id": "cus_1"}).status_code == 422
+    assert admin.post("/accounts", json={"name": "x", "plan": "platinum"}).status_code == 422
+    assert admin.get("/accounts/999999").status_code == 404
+    assert admin.patch("/accounts/999999", json={"status": "suspended"}).status_code == 404
+    assert admin.delete("/keys/999999").status_code == 404
+    assert admin.get("/models/nope").status_code == 404
+
+
+def test_a_model_added_through_the_api_appears_once_a_worker_serves_it(astack, admin) -> None:
+    added = admin.post("/models", json={"name": "instant-2", "source": "instant", "min_workers": 0,
+                                        "engine_options": {"max_model_len": 4096, "enable_prefix_caching": True}})
+    assert added.status_code == 201 and added.json()["live_workers"] == 0
+    auth = {"Authorization": f"Bearer {astack.api_key}"}
+    listed = [m["id"] for m in httpx.get(f"{astack.base_url}/v1/models", headers=auth).json()["data"]]
+    assert "instant-2" not in listed
+    worker = subprocess.Popen([sys.executable, "-m", "flatfare", "worker", "--engine", "instant", "--model",
+                               "instant-2"], env=astack.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while "instant-2" not in [m["id"] for m in httpx.get(f"{astack.base_url}/v1/models",
+                                                             headers=auth).json()["data"]]:
+            assert time.monotonic() < deadline, "the model never appeared"
+            time.sleep(0.2)
+        assert _chat(astack.base_url, astack.api_key, "instant-2").status_code == 200
+        assert admin.patch("/models/instant-2", json={"enabled": False}).status_code == 200
+        time.sleep(0.6)
+        refused = _chat(astack.base_url, astack.api_key, "instant-2")
+        assert refused.status_code == 404 and "disabled" in refused.json()["error"]["message"]
+        admin.patch("/models/instant-2", json={"enabled": True})
+        time.sleep(0.6)
+        assert _chat(astack.base_url, astack.api_key, "instant-2").status_code == 200
+    finally:
+        worker.terminate()
+        worker.wait(10)
+
+
+def test_tensor_parallel_must_divide_the_heads(admin, tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 9}))
+    response = admin.post("/models", json={"name": "odd-heads", "source": str(tmp_path),
+                                           "engine_options": {"tensor_parallel_size": 2}})
+    assert response.status_code == 422
+    assert response.json()["error"]["param"] == "engine_options.tensor_parallel_size"
+
+
+def test_keys_shown_once_revoked_everywhere_within_a_second(astack, admin) -> None:
+    account = admin.post("/accounts", json={"name": "acme", "plan": "pro"}).json()
+    created = admin.post(f"/accounts/{account['id']}/keys", json={"name": "ci"}).json()
+    secret = created["key"]
+    keys = admin.get(f"/accounts/{account['id']}/keys").json()["data"]
+    assert [k["prefix"] for k in keys] == [secret[:11]] and "key" not in keys[0]
+    assert _chat(astack.second_url, secret).status_code == 200
+    assert admin.delete(f"/keys/{created['id']}").json()["revoked_at"] is not None
+    revoked_at = time.monotonic()
+    while _chat(astack.second_url, secret).status_code != 401:
+        assert time.monotonic() - revoked_at < 1.0, "the second gateway still accepts the revoked key"
+        time.sleep(0.05)
+    assert time.monotonic() - revoked_at < 1.0
+
+
+def test_rotation_keeps_the_old_key_for_its_grace_period(astack, admin) -> None:
+    account = admin.post("/accounts", json={"name": "rotator", "plan": "pro"}).json()
+    old = admin.post(f"/accounts/{account['id']}/keys", json={"name": "v1"}).json()
+    new = admin.post(f"/keys/{old['id']}/rotate", json={"grace_seconds": 2}).json()
+    assert new["key"] != old["key"] and new["account_id"] == account["id"]
+    assert _chat(astack.base_url, old["key"]).status_code == 200
+    assert _chat(astack.base_url, new["key"]).status_code == 200
+    time.sleep(2.7)
+    assert _chat(astack.base_url, old["key"]).status_code == 401
+    assert _chat(astack.base_url, new["key"]).status_code == 200
+
+
+def test_suspend_and_reactivate(astack, admin) -> None:
+    account = admin.post("/accounts", json={"name": "flaky", "plan": "pro"}).json()
+    key = admin.post(f"/accounts/{account['id']}/keys", json={}).json()["key"]
+    assert admin.patch(f"/accounts/{account['id']}", json={"status": "suspended"}).json()["status"] == "suspended"
+    time.sleep(0.6)
+    assert _chat(astack.base_url, key).status_code == 403
+    admin.patch(f"/accounts/{account['id']}", json={"status": "active", "plan": "enterprise",
+                                                     "daily_limit_override": 20000})
+    time.sleep(0.6)
+    response = _chat(astack.base_url, key)
+    assert response.status_code == 200 and response.headers["x-ratelimit-limit-requests"] == "20000"
+    filtered = admin.get("/accounts", params={"plan": "enterprise"}).json()["data"]
+    assert [a["name"] for a in filtered] == ["flaky"]
+
+
+def test_usage_totals_match_the_ledger_in_json_and_csv(astack, admin) -> None:
+    account = admin.post("/accounts", json={"name": "counted", "plan": "pro"}).json()
+    key = admin.post(f"/accounts/{account['id']}/keys", json={}).json()["key"]
+    for _ in range(3):
+        assert _chat(astack.base_url, key).status_code == 200
+    time.sleep(0.5)
+    report = admin.get("/usage", params={"account_id": account["id"]}).json()
+    assert report["totals"]["requests"] == 3 and report["totals"]["amount_micros"] == 3 * 2000
+    ledger = astack.sql("SELECT count(*) FROM requests WHERE account_id = :a AND billable", a=account["id"])
+    assert ledger[0][0] == 3
+    everything = admin.get("/usage").json()["totals"]["requests"]
+    assert everything == astack.sql("SELECT count(*) FROM requests WHERE billable")[0][0]
+    rows = list(csv.DictReader(io.StringIO(admin.get("/usage", params={"account_id": account["id"],
+                                                                        "format": "csv"}).text)))
+    assert sum(int(r["requests"]) for r in rows) == 3 and rows[0]["model"] == MODEL
+
+
+def test_every_write_is_in_the_audit_log(astack, admin) -> None:
+    account = admin.post("/accounts", json={"name": "audited"}).json()
+    admin.patch(f"/accounts/{account['id']}", json={"status": "suspended"})
+    entries = admin.get("/audit", params={"resource_type": "account", "resource_id": str(account["id"])}).json()
+    update, create = entries["data"]
+    assert (create["action"], update["action"]) == ("account.create", "account.update")
+    assert create["before"] is None and create["after"]["name"] == "audited"
+    assert (update["before"]["status"], update["after"]["status"]) == ("active", "suspended")
+    assert update["actor"] == "ops"
+    actions = set(_audit_actions(admin))
+    assert {"plan.create", "plan.update", "plan.delete", "model.create", "key.create", "key.revoke",
+            "key.rotate", "token.create"} <= actions
+    assert not any("key_hash" in json.dumps(e) for e in admin.get("/audit", params={"limit": 200}).json()["data"])
+
+
+def test_pagination(admin) -> None:
+    for i in range(3):
+        admin.post("/accounts", json={"name": f"page-{i}"})
+    first = admin.get("/accounts", params={"limit": 2, "name_contains": "page-"}).json()
+    assert first["has_more"] and len(first["data"]) == 2
+    second = admin.get("/accounts", params={"limit": 2, "name_contains": "page-",
+                                            "after": first["next_cursor"]}).json()
+    assert not second["has_more"] and [a["name"] for a in second["data"]] == ["page-2"]
+
+
+def test_cli_calls_the_api(astack) -> None:
+    env_cli = {"FLATFARE_ADMIN_URL": astack.base_url, "FLATFARE_ADMIN_TOKEN": astack.admin_token}
+    astack.env.update(env_cli)
+    out = astack.cli("admin", "accounts", "create", "from-cli", "--plan", "pro")
+    assert out.returncode == 0, out.stderr
+    account_id = json.loads(out.stdout)["id"]
+    key = json.loads(astack.cli("admin", "keys", "create", str(account_id)).stdout)["key"]
+    assert _chat(astack.base_url, key).status_code == 200
+    assert astack.cli("admin", "accounts", "suspend", str(account_id)).returncode == 0
+    listed = json.loads(astack.cli("admin", "accounts", "list", "--status", "suspended").stdout)
+    assert "from-cli" in [a["name"] for a in listed["data"]]
+    assert astack.cli("admin", "usage", "--csv").stdout.startswith("day,account_id")
