@@ -178,5 +178,13 @@ def billing_send_usage() -> None:
     typer.echo(f"{asyncio.run(run())} meter events sent")
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
+def bench(ctx: typer.Context) -> None:
+    """Run a benchmark: overhead | engine | gpu | profile (`flatfare bench overhead --help`; docs/PERFORMANCE.md)."""
+    from bench.__main__ import main as bench_main
+
+    sys.exit(bench_main(list(ctx.args)))
+
+
 def main() -> None:
     app()

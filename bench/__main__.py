@@ -1,0 +1,34 @@
+"""``python -m bench overhead|engine|gpu|profile`` (also ``flatfare bench ...``)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "overhead": ("bench.overhead", "Flatfare's full path vs LiteLLM's proxy, instant engine (~8 min)"),
+    "engine": ("bench.engine", "Flatfare vs `vllm serve`, same model and engine options, on this CPU (~10 min)"),
+    "gpu": ("bench.gpu", "the same comparison on the lent H200: prepare, device driver, report"),
+    "profile": ("bench.profile", "py-spy profiles of the gateway and worker under the overhead load (~1 min)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench", description="Flatfare's benchmarks; results go to "
+                                     "bench/results/ (Markdown, CSV, PNG).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        module.add_arguments(sub.add_parser(name, help=help_text, description=module.__doc__.splitlines()[0]))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module = importlib.import_module(COMMANDS[args.command][0])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
