@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -56,8 +57,32 @@ def gateway(
     import os
 
     os.environ.update({f"FLATFARE_{k.upper()}": str(v) for k, v in overrides.items()})
+    from flatfare.logs import configure_logging
+
+    configure_logging(settings.log_level, settings.log_format, log_prompts=settings.log_prompts)
+    # prometheus_client picks multiprocess mode at import, from this variable: set it before anything
+    # imports it, so every gateway process writes its samples where /metrics reads them all.
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(_metrics_dir(settings.metrics_dir))
     uvicorn.run("gateway.app:create_app", factory=True, host=settings.host, port=settings.port,
-                workers=processes, log_level=settings.log_level, access_log=False)
+                workers=processes, log_level=settings.log_level, access_log=False, log_config=None)
+
+
+def _metrics_dir(configured: str) -> Path:
+    """An empty folder for the gateway processes' metric files: ``configured`` with old files removed
+    (counters must restart with the processes), or a temporary one removed at exit."""
+    import atexit
+    import shutil
+    import tempfile
+
+    if not configured:
+        folder = Path(tempfile.mkdtemp(prefix="flatfare-metrics-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        return folder
+    folder = Path(configured)
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("*.db"):
+        stale.unlink()
+    return folder
 
 
 @app.command()
@@ -71,6 +96,11 @@ def worker(
         help="'vllm', or 'instant': a benchmark/test engine answering at once with no model.")] = None,
 ) -> None:
     """Run one worker: an embedded vLLM engine serving one model's pool."""
+    import os
+
+    # A worker is one process: its metrics (and vLLM's) stay in memory. A multiprocess folder meant for
+    # gateways would make prometheus_client write them to files that no /metrics of the worker reads.
+    os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     from workers.main import WorkerError, main
     from workers.settings import WorkerSettings
 

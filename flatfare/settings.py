@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -27,6 +28,10 @@ class CommonSettings(BaseSettings):
     # Where prepared models live; empty means "models/ in data_dir".
     models_dir: Path | None = None
     log_level: str = "info"
+    # "json": one JSON object per line (request id, account, model); "text" for a terminal.
+    log_format: Literal["json", "text"] = "json"
+    # Log prompts and outputs. Off by default: they are the customers' data.
+    log_prompts: bool = False
 
     @model_validator(mode="after")
     def _default_models_dir(self) -> CommonSettings:

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from flatfare.logs import configure_logging
 from flatfare.redis_conn import connect
 from fastapi import FastAPI
 
@@ -21,6 +22,8 @@ from gateway.admin.auth import AdminAuthenticator
 from gateway.auth import Authenticator
 from gateway.completions import CompletionService
 from gateway.errors import install_handlers
+from gateway.metrics import GatewayMetrics, RequestObserver
+from gateway.metrics import router as metrics_router
 from gateway.plans import PlanBook
 from gateway.pools import Pools
 from gateway.ratelimit import RateLimitHeaders
@@ -32,6 +35,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     settings = settings or GatewaySettings()
     if not settings.redis_url:
         raise RuntimeError("set FLATFARE_REDIS_URL: the gateway needs the Redis its workers use")
+    configure_logging(settings.log_level, settings.log_format, log_prompts=settings.log_prompts)
+    metrics = GatewayMetrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -50,7 +55,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         state.quota = DailyQuota(redis, ledger.billable_counts)
         state.ledger = ledger
         state.completions = CompletionService(state.pools, Dispatcher(redis, settings.request_timeout_s),
-                                              ledger, state.plans, state.quota)
+                                              ledger, state.plans, state.quota, metrics)
         state.accounts = AccountStore(sessions)
         state.stripe = None
         state.webhooks = WebhookProcessor(sessions, {price: plan for plan, price in settings.stripe_prices.items()})
@@ -70,11 +75,14 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     app = FastAPI(title="Flatfare", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible LLM API with flat per-request pricing.")
+    app.state.metrics = metrics
     install_handlers(app)
     app.add_middleware(RateLimitHeaders)
+    app.add_middleware(RequestObserver, metrics=metrics)
     app.include_router(routes.router)
     app.include_router(usage.router)
     app.include_router(billing_routes.router)
     app.include_router(admin.router)
     app.include_router(health.router)
+    app.include_router(metrics_router)
     return app

@@ -30,9 +30,11 @@ from billing.ledger import Charge, DuplicateIdempotencyKey, Ledger, Outcome
 from billing.plans import AccountTerms, QuotaWindow, quota_window
 from billing.quota import DailyQuota, Decision, QuotaUnavailable
 from flatfare.contract import Endpoint, Job, Reply, ReplyKind
+from flatfare.logs import bind
 from flatfare.storage.models import RequestStatus
 from gateway.auth import Caller
 from gateway.errors import APIError, error_body, invalid, validation_error
+from gateway.metrics import GatewayMetrics, label_request
 from flatfare.storage.models import RequestRecord
 from gateway.plans import PlanBook
 from gateway.pools import Pool, Pools
@@ -141,21 +143,26 @@ class Admission:
     quota_day: str
     # False for a replay of an idempotent request: it neither owns the job nor pays again.
     owner: bool = True
+    # For the metrics: the routed model and the plan's lane.
+    model: str = ""
+    lane: str = ""
 
 
 class CompletionService:
     def __init__(self, pools: Pools, dispatcher: Dispatcher, ledger: Ledger, plans: PlanBook,
-                 quota: DailyQuota) -> None:
+                 quota: DailyQuota, metrics: GatewayMetrics | None = None) -> None:
         self._pools = pools
         self._dispatcher = dispatcher
         self._ledger = ledger
         self._plans = plans
         self._quota = quota
+        self._metrics = metrics or GatewayMetrics()
 
     async def handle(self, endpoint: Endpoint, raw: bytes, caller: Caller, request: Request) -> Response:
         body, parsed = parse_body(endpoint, raw)
         now = datetime.now(UTC)
         terms = await self._plans.terms(caller.account, now)
+        label_request(request, plan=terms.plan.name, lane=terms.plan.lane.value)
         check_caps(parsed, terms, len(raw))
         entry = (await self._pools.catalog()).get(parsed.model)
         if entry is not None and not entry.allows_plan(terms.plan.name):
@@ -163,6 +170,7 @@ class CompletionService:
                            param="model", code="model_not_allowed")
         pool = await self._pools.route(parsed.model)
         check_fits(parsed, pool)
+        label_request(request, model=pool.model)
         for field in _RESERVED_FIELDS:
             body.pop(field, None)
         idempotency_key = _idempotency_key(request)
@@ -177,7 +185,9 @@ class CompletionService:
         window = quota_window(terms.plan.timezone, now)
         decision = await self._count(caller, terms, window, now)
         request.state.ratelimit = ratelimit_headers(decision.limit, decision.used, window, now)
-        admission = Admission(new_request_id(), int(now.timestamp() * 1000), caller.account_id, window.day)
+        admission = Admission(new_request_id(), int(now.timestamp() * 1000), caller.account_id, window.day,
+                              model=pool.model, lane=terms.plan.lane.value)
+        bind(request_id=admission.request_id, account=caller.account_name)
         charge = Charge(plan=terms.plan.name, price_micros=terms.plan.price_per_request_micros, quota_day=window.day)
         try:
             await self._ledger.open(
@@ -211,6 +221,7 @@ class CompletionService:
             raise APIError(503, "Request quotas cannot be checked right now; retry shortly.",
                            code="quota_unavailable", headers={"Retry-After": "1"}) from None
         if not decision.allowed:
+            self._metrics.quota_rejected(terms.plan.name)
             seconds = window.seconds_left(now)
             raise APIError(
                 429, f"You have used all {terms.daily_limit} requests of your {terms.plan.name} plan for today "
@@ -230,6 +241,8 @@ class CompletionService:
         if not admission.owner:
             return
         await self._ledger.close(admission.request_id, outcome)
+        self._metrics.finished(admission.model, admission.lane, outcome.status.value, queue_ms=outcome.queue_ms,
+                               prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens)
         if not outcome.billable:
             await self._give_back(admission)
         with contextlib.suppress(RedisError):
@@ -263,6 +276,9 @@ class CompletionService:
         first = await self._first_reply(admission, replies, request, keep_reply)
         if first is None:
             return Response(status_code=CLIENT_CLOSED, headers=headers)
+        if admission.owner and (first.kind is ReplyKind.CHUNK
+                                or (first.kind is ReplyKind.RESPONSE and first.status < 400)):
+            self._metrics.first_token(admission.model, admission.lane, (_now_ms() - admission.created_ms) / 1000)
         if first.kind.terminal:
             return self._whole(admission, first, headers, keep_reply)
         return StreamingResponse(self._sse(admission, first, replies, keep_reply),

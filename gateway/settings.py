@@ -20,6 +20,9 @@ class GatewaySettings(CommonSettings):
     pools_cache_ttl_s: float = 0.5
     plans_cache_ttl_s: float = 0.5
     db_pool_size: int = 20
+    # Where the gateway processes keep their metric files (prometheus_client's multiprocess mode);
+    # emptied at start. Empty: a fresh temporary folder each start.
+    metrics_dir: str = ""
 
     # Stripe. Billing endpoints answer 503 until a key and a webhook secret are set.
     stripe_api_key: SecretStr = SecretStr("")

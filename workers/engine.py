@@ -8,11 +8,14 @@ GPU build) and 0.32 (the CPU build); both are handled here and nowhere else.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import os
+import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from flatfare.contract import Endpoint
@@ -71,8 +74,11 @@ def vllm_version() -> str:
 class Engine:
     """An ``AsyncLLM`` plus vLLM's OpenAI serving layer for one model."""
 
-    def __init__(self, argv: list[str]) -> None:
+    def __init__(self, argv: list[str], *, engine_metrics: bool = True,
+                 logging_config: dict[str, Any] | None = None) -> None:
         self._argv = argv
+        self._engine_metrics = engine_metrics
+        self._logging_config = logging_config
         self._llm: Any = None
         self._chat: Any = None
         self._completion: Any = None
@@ -84,6 +90,8 @@ class Engine:
 
     async def start(self) -> None:
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+        if self._logging_config is not None:
+            _use_logging_config(self._logging_config)
         from starlette.datastructures import State
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -110,7 +118,13 @@ class Engine:
             args = parser.parse_args(self._argv)
         except SystemExit as exc:
             raise EngineError(f"vLLM refused the engine options {self._argv!r}") from exc
-        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args))
+        # vLLM's Prometheus logger, alone: engine metrics (running/waiting requests, KV-cache use, tokens)
+        # in the process's default registry without the periodic stats lines, which Flatfare turns off
+        # (disable_log_stats). Passing it as a custom logger keeps vLLM from adding its logging one.
+        stat_loggers = None
+        if self._engine_metrics:
+            stat_loggers = [_first_attr([("vllm.v1.metrics.loggers", "PrometheusStatLogger")])]
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args), stat_loggers=stat_loggers)
         state = State()
         await init_app_state(self._llm, state, args, await self._llm.get_supported_tasks())
         self._chat = state.openai_serving_chat
@@ -160,6 +174,19 @@ class Engine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+
+
+def _use_logging_config(config: dict[str, Any]) -> None:
+    """Have vLLM (and its engine processes, which read the same variables) log through ``config``.
+    vLLM applies it when first imported, so this runs before any vLLM import."""
+    if "VLLM_LOGGING_CONFIG_PATH" in os.environ:
+        return  # the operator's own file wins
+    handle, path = tempfile.mkstemp(prefix="flatfare-vllm-logging-", suffix=".json")
+    with os.fdopen(handle, "w") as file:
+        json.dump(config, file)
+    atexit.register(Path(path).unlink, missing_ok=True)
+    os.environ["VLLM_CONFIGURE_LOGGING"] = "1"
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = path
 
 
 def _error(status: int, message: str, param: str | None) -> dict[str, Any]:

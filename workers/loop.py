@@ -19,6 +19,9 @@ from redis.exceptions import ResponseError
 
 from flatfare import contract
 from flatfare.contract import Endpoint, Job, Reply, ReplyKind, Usage, WorkerInfo
+from flatfare.logs import bind, prompts_enabled
+from flatfare.storage.models import Lane
+from workers.metrics import WorkerMetrics
 
 log = logging.getLogger("flatfare.worker")
 
@@ -53,12 +56,15 @@ def _usage(payload: dict[str, Any]) -> Usage | None:
 
 class WorkerLoop:
     def __init__(self, redis: aioredis.Redis, engine: EngineLike, info: WorkerInfo,
-                 drain_timeout_s: float = 30.0) -> None:
+                 drain_timeout_s: float = 30.0, metrics: WorkerMetrics | None = None) -> None:
         self.redis = redis
         self.engine = engine
         self.info = info
         self.drain_timeout_s = drain_timeout_s
         self.stream = contract.job_stream(info.model)
+        # The lane each stream serves, for the metrics: one stream per pool today, the standard lane.
+        self.lanes: dict[str, str] = {self.stream: Lane.STANDARD.value}
+        self.metrics = metrics
         self.inflight: dict[str, asyncio.Task[None]] = {}
         self._slot_freed = asyncio.Event()
         self._stopping = asyncio.Event()
@@ -77,6 +83,10 @@ class WorkerLoop:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
             await self._deregister()
+
+    @property
+    def draining(self) -> bool:
+        return self._stopping.is_set()
 
     def stop(self) -> None:
         """Stop taking work; what is held finishes within the drain timeout."""
@@ -112,17 +122,20 @@ class WorkerLoop:
                 continue
             entries = await self.redis.xreadgroup(
                 contract.POOL_GROUP, self.info.worker_id, {self.stream: ">"}, count=free, block=1000)
-            for _stream, messages in entries or []:
+            for stream, messages in entries or []:
+                lane = self.lanes.get(stream.decode() if isinstance(stream, bytes) else stream, Lane.STANDARD.value)
                 for entry_id, fields in messages:
-                    self._start(entry_id, fields)
+                    self._start(entry_id, fields, lane)
 
-    def _start(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+    def _start(self, entry_id: bytes, fields: dict[bytes, bytes], lane: str = Lane.STANDARD.value) -> None:
         try:
             job = Job.from_fields(fields)
         except (KeyError, ValueError):
             log.error("dropping malformed job %s", entry_id)
             asyncio.create_task(self._ack(entry_id))
             return
+        if self.metrics is not None:
+            self.metrics.taken(lane, job.enqueued_ms)
         task = asyncio.create_task(self._handle(entry_id, job), name=job.request_id)
         self.inflight[job.request_id] = task
         task.add_done_callback(lambda _t, rid=job.request_id: self._finished(rid))
@@ -141,14 +154,17 @@ class WorkerLoop:
 
     async def _handle(self, entry_id: bytes, job: Job) -> None:
         reply_key = contract.reply_stream(job.request_id)
+        bind(request_id=job.request_id, model=self.info.model)  # this task's log lines
         try:
             if await self.redis.exists(contract.cancel_key(job.request_id)):
                 log.info("skipping %s: its client went away while it was queued", job.request_id)
+                self._ended_without_reply("skipped")
                 return
             await self._run(job, reply_key, now_ms())
         except asyncio.CancelledError:
             # The client went away (or the drain timed out): the engine request is aborted by
             # closing its generator; nobody reads the reply stream any more.
+            self._ended_without_reply("cancelled")
             raise
         except Exception:  # noqa: BLE001 - any engine failure must still answer the client
             log.exception("job %s failed", job.request_id)
@@ -161,6 +177,8 @@ class WorkerLoop:
 
     async def _run(self, job: Job, reply_key: str, started_ms: int) -> None:
         body = json.loads(job.body)
+        if prompts_enabled():  # FLATFARE_LOG_PROMPTS: customers' data, off unless switched on
+            log.info("prompt of %s", job.request_id, extra={"prompt": body.get("messages", body.get("prompt"))})
         body["request_id"] = job.request_id
         wants_usage = False
         if body.get("stream"):
@@ -175,6 +193,8 @@ class WorkerLoop:
             return
         if result.body is not None:
             usage = _usage(json.loads(result.body))
+            if prompts_enabled():
+                log.info("output of %s", job.request_id, extra={"output": result.body})
             await self._reply(reply_key, Reply(ReplyKind.RESPONSE, result.body, usage=usage, started_ms=started_ms,
                                                first_token_ms=now_ms()))
             return
@@ -211,6 +231,12 @@ class WorkerLoop:
             if set_ttl:
                 pipe.expire(reply_key, contract.REPLY_TTL_S)
             await pipe.execute()
+        if reply.kind.terminal and self.metrics is not None:
+            self.metrics.replied(reply)
+
+    def _ended_without_reply(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.ended_without_reply(outcome)
 
     # -- presence and cancellation ------------------------------------------------------------
 

@@ -14,11 +14,13 @@ from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
 from flatfare.contract import WorkerInfo
+from flatfare.logs import configure_logging, dict_config
 from flatfare.storage.db import create_engine, session_factory
 from flatfare.storage.models import CatalogModel
 from workers.engine import Engine, engine_argv
 from workers.instant import InstantEngine
 from workers.loop import EngineLike, WorkerLoop, now_ms
+from workers.metrics import WorkerMetrics
 from workers.prepare import resolve_source
 from workers.settings import WorkerSettings
 
@@ -71,7 +73,8 @@ async def build_engine(settings: WorkerSettings, progress: Callable[[str], None]
     progress(f"preparing model {spec.name}")
     model_path = await asyncio.to_thread(resolve_source, spec.source, settings.models_dir, progress)
     progress(f"starting the engine for {spec.name}")
-    engine = Engine(engine_argv(model_path, spec.name, spec.options))
+    engine = Engine(engine_argv(model_path, spec.name, spec.options), engine_metrics=settings.engine_metrics,
+                    logging_config=dict_config(settings.log_level, settings.log_format))
     await engine.start()
     return spec.name, engine
 
@@ -81,8 +84,13 @@ async def serve(settings: WorkerSettings, progress: Callable[[str], None] = log.
     capacity = settings.max_inflight or engine.max_num_seqs
     info = WorkerInfo(worker_id=settings.worker_id, model=model, max_model_len=engine.max_model_len,
                       capacity=capacity, started_ms=now_ms(), engine=settings.engine)
+    metrics = WorkerMetrics(model)
+    if settings.metrics_port >= 0:
+        info.extra["metrics_port"] = metrics.serve(settings.metrics_host, settings.metrics_port)
+        progress(f"metrics on http://{settings.metrics_host}:{info.extra['metrics_port']}/metrics")
     redis = connect(settings.redis_url)
-    loop = WorkerLoop(redis, engine, info, drain_timeout_s=settings.drain_timeout_s)
+    loop = WorkerLoop(redis, engine, info, drain_timeout_s=settings.drain_timeout_s, metrics=metrics)
+    metrics.watch(lambda: len(loop.inflight), capacity, lambda: loop.draining)
     running = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         running.add_signal_handler(sig, loop.stop)
@@ -92,10 +100,11 @@ async def serve(settings: WorkerSettings, progress: Callable[[str], None] = log.
     finally:
         await redis.aclose()
         engine.shutdown()
+        metrics.close()
 
 
 def main(settings: WorkerSettings) -> None:
     if not settings.redis_url:
         raise WorkerError("set FLATFARE_REDIS_URL: a worker needs the Redis its gateway uses")
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_logging(settings.log_level, settings.log_format, log_prompts=settings.log_prompts)
     asyncio.run(serve(settings))

@@ -33,3 +33,10 @@ class WorkerSettings(CommonSettings):
     max_inflight: int = 0
     # On SIGTERM, how long running jobs may take to finish before they are abandoned.
     drain_timeout_s: float = 30.0
+    # Prometheus /metrics of this worker. Port 0: any free port (logged, and announced in the worker's
+    # heartbeat as extra.metrics_port), so several workers on one host never clash; -1: off.
+    # Containers set a fixed port (deploy/ uses 9400) and host 0.0.0.0.
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
+    # Also export vLLM's engine metrics (running/waiting requests, KV-cache use, tokens) on it.
+    engine_metrics: bool = True
