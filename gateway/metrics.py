@@ -190,6 +190,7 @@ class PlatformSnapshot:
 
     queues: list[QueueDepth] = field(default_factory=list)
     pools: dict[str, PoolState] = field(default_factory=dict)
+    billing_enabled: bool = False
     outbox_pending: int | None = None
     outbox_oldest_age_s: float | None = None
     up: dict[str, bool] = field(default_factory=dict)
@@ -221,7 +222,7 @@ async def queue_depth(redis: Any, model: str, lane: str, stream: str, now_ms: in
 
 async def platform_snapshot(state: Any) -> PlatformSnapshot:
     """The queues and pools of every catalogued or served model, and the billing outbox's backlog."""
-    snapshot = PlatformSnapshot()
+    snapshot = PlatformSnapshot(billing_enabled=bool(state.settings.stripe_enabled))
     catalog: dict[str, tuple[bool, bool, int]] = {}
     try:
         async with state.sessions() as session:
@@ -281,6 +282,8 @@ class SnapshotCollector(Collector):
             capacity.add_metric([model], pool.capacity)
             inflight.add_metric([model], pool.inflight)
         yield from (live, wanted, capacity, inflight)
+        yield GaugeMetricFamily("flatfare_billing_enabled", "1 when usage is reported to Stripe (the outbox is "
+                                "being sent), 0 when billing is off.", value=1.0 if s.billing_enabled else 0.0)
         if s.outbox_pending is not None:
             yield GaugeMetricFamily("flatfare_billing_outbox_pending", "Meter events waiting to be sent to Stripe.",
                                     value=s.outbox_pending)

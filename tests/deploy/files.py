@@ -1,0 +1,101 @@
+"""Loading the deployment files, and the metric names their PromQL queries use."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+COMPOSE_FILE = REPO / "docker-compose.yml"
+RULES_FILE = DEPLOY / "prometheus" / "rules" / "flatfare.yml"
+DASHBOARD_FILE = DEPLOY / "grafana" / "dashboards" / "flatfare.json"
+K8S = DEPLOY / "k8s"
+
+_VARIABLE = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
+
+
+def load_yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+def k8s_documents() -> Iterator[tuple[Path, dict[str, Any]]]:
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                yield path, doc
+
+
+def interpolate(value: Any, environ: dict[str, str]) -> Any:
+    """Compose's variable substitution (``${VAR}``, ``${VAR:-default}``, ``${VAR:?error}``), applied to
+    every string of a loaded file; ``$$`` stays a literal dollar sign."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, environ) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, environ) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def substitute(match: re.Match[str]) -> str:
+        name, op, arg = match["name"], match["op"], match["arg"]
+        current = environ.get(name)
+        if op in (":-", "-"):
+            unset = current is None or (op == ":-" and current == "")
+            return arg if unset else current
+        if op in (":?", "?") and (current is None or (op == ":?" and current == "")):
+            raise KeyError(f"{name}: {arg}")
+        if current is None:
+            raise KeyError(f"{name} is not set and has no default")
+        return current
+
+    return _VARIABLE.sub(substitute, value.replace("$$", "\0")).replace("\0", "$")
+
+
+def compose(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """docker-compose.yml as `docker compose config` would see it with no .env (YAML merge keys
+    resolved, variables replaced by their defaults)."""
+    return interpolate(load_yaml(COMPOSE_FILE), {} if environ is None else environ)
+
+
+def rules() -> list[dict[str, Any]]:
+    return [rule for group in load_yaml(RULES_FILE)["groups"] for rule in group["rules"]]
+
+
+def dashboard() -> dict[str, Any]:
+    return json.loads(DASHBOARD_FILE.read_text())
+
+
+def dashboard_queries() -> list[str]:
+    queries = []
+    for panel in dashboard()["panels"]:
+        queries.extend(t["expr"] for t in panel.get("targets", []))
+    return queries
+
+
+def all_queries() -> list[str]:
+    return [*(rule["expr"] for rule in rules()), *dashboard_queries()]
+
+
+# -- PromQL: which metric names and label names a query uses -------------------------------------------
+
+_SELECTOR = re.compile(r"(?P<name>(?:flatfare_|vllm:)[A-Za-z0-9_:]*)\s*(?:\{(?P<matchers>[^}]*)\})?")
+_MATCHER = re.compile(r"(?P<label>[A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)")
+_GROUPING = re.compile(r"\b(?:by|without|on|ignoring)\s*\((?P<labels>[^)]*)\)")
+
+
+def selectors(expr: str) -> list[tuple[str, set[str]]]:
+    """``(metric name, label names matched)`` for every Flatfare and vLLM metric in ``expr``."""
+    return [(m["name"], {x["label"] for x in _MATCHER.finditer(m["matchers"] or "")})
+            for m in _SELECTOR.finditer(expr)]
+
+
+def grouping_labels(expr: str) -> set[str]:
+    return {label.strip() for m in _GROUPING.finditer(expr) for label in m["labels"].split(",") if label.strip()}
+
