@@ -116,6 +116,7 @@ def configure_logging(level: str = "info", fmt: LogFormat = "json", *, log_promp
     setattr(handler, _HANDLER_MARK, True)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    logging.captureWarnings(True)  # Python warnings become lines of the same format
     # uvicorn's loggers write through the root handler, in the same format. Its access log stays as
     # uvicorn set it (the gateway writes its own line per request).
     for name in ("uvicorn", "uvicorn.error"):

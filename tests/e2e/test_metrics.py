@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from flatfare import contract
 from flatfare.contract import WorkerInfo
 from tests.conftest import Stack, launch_stack
+from tests.deploy.files import all_queries, selectors
 
 pytestmark = pytest.mark.e2e
 
@@ -227,6 +228,12 @@ def test_vllm_engine_metrics_from_the_cpu_worker(stack: Stack) -> None:
         - value(before, "vllm:generation_tokens_total", **labels) == reply.usage.completion_tokens
     assert value(after, "flatfare_worker_output_tokens_total", model=stack.model) \
         - value(before, "flatfare_worker_output_tokens_total", model=stack.model) == reply.usage.completion_tokens
+    # Every vLLM metric the dashboard and the alerts use is really there.
+    scraped = {name for name, _ in after}
+    for expr in all_queries():
+        for name, _ in selectors(expr):
+            if name.startswith("vllm:"):
+                assert name in scraped, f"{name} ({expr!r}) is not exported by the running vLLM"
     worker_log = (stack.logs / "worker.log").read_text()
     assert "Avg prompt throughput" not in worker_log  # vLLM's periodic stats lines stay off
     gateway = gateway_metrics(stack)
