@@ -99,6 +99,8 @@ curl:
 Python (pip install openai):
   python3 -c 'from openai import OpenAI; c = OpenAI(base_url="{base_url}/v1", api_key="{key}"); print(c.chat.completions.create(model="{model}", messages=[{{"role": "user", "content": "What is the capital of France?"}}], temperature=0).choices[0].message.content)'
 
+Prometheus metrics: {base_url}/metrics
+
 Press Ctrl-C to stop.
 """
 
