@@ -94,6 +94,7 @@ def worker(
     max_inflight: Annotated[int | None, typer.Option(help="Jobs held at once (default: engine capacity).")] = None,
     engine: Annotated[str | None, typer.Option(
         help="'vllm', or 'instant': a benchmark/test engine answering at once with no model.")] = None,
+    pool: Annotated[str | None, typer.Option(help="A dedicated pool (an enterprise account's) to serve.")] = None,
 ) -> None:
     """Run one worker: an embedded vLLM engine serving one model's pool."""
     import os
@@ -116,6 +117,8 @@ def worker(
         overrides["max_inflight"] = max_inflight
     if engine is not None:
         overrides["engine"] = engine
+    if pool:
+        overrides["pool"] = pool
     try:
         main(WorkerSettings(**overrides))
     except WorkerError as exc:

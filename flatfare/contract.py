@@ -4,13 +4,21 @@ Both sides import this module and nothing else of each other; it imports nothing
 
 Request path in Redis terms:
 
-1. The gateway XADDs a :class:`Job` to ``job_stream(model)``. Every worker of the model's pool
-   reads that stream through the consumer group :data:`POOL_GROUP`, so each job goes to one worker.
+1. The gateway XADDs a :class:`Job` to its lane's stream ``job_stream(model, lane)`` (premium or
+   standard), or, when prefix-aware routing picked a worker that served the same prompt prefix
+   recently and has room, to that worker's own stream ``worker_stream(model, worker_id)``. Every
+   worker of the model's pool reads the lane streams through the consumer group
+   :data:`POOL_GROUP`, so each job goes to one worker: its own stream first, then premium, then
+   standard, with a guaranteed share for standard (:data:`STANDARD_SHARE`).
 2. The worker XADDs :class:`Reply` entries to ``reply_stream(request_id)``: zero or more
    ``CHUNK`` entries (one SSE ``data:`` payload each) then exactly one terminal entry:
    ``RESPONSE`` (a whole non-streaming body), ``ERROR`` (status + OpenAI error body) or ``END``
    (a stream finished; carries the usage).
-3. The worker XACKs (and XDELs) the job only once its terminal reply is written.
+3. The worker XACKs (and XDELs) the job only once its terminal reply is written. While it runs a
+   job it renews its lease (XCLAIM to itself, which resets the idle time) every
+   ``lease/3``; a job idle longer than its lease belongs to a worker that died, and any live worker
+   takes it over with XAUTOCLAIM: it runs the job again if no reply was written yet, or fails it
+   cleanly (an ERROR reply) if the client already got part of the answer.
 4. A client that goes away makes the gateway PUBLISH the request id on :data:`CANCEL_CHANNEL` and
    set ``cancel_key(request_id)``; the worker aborts the engine request, or skips the job if it
    had not started it yet.
@@ -32,14 +40,56 @@ CANCEL_CHANNEL = f"{PREFIX}:cancel"
 POOLS_KEY = f"{PREFIX}:pools"
 
 HEARTBEAT_INTERVAL_S = 1.0
+# A claimed job whose worker has not renewed it for this long is taken over by another worker.
+DEFAULT_LEASE_S = 15.0
+# While the standard lane has work, at least this share of a worker's claims go to it.
+STANDARD_SHARE = 0.2
 WORKER_TTL_S = 5.0
 # A reply stream outlives its request by this much, so a gateway that died mid-read leaves no garbage.
 REPLY_TTL_S = 600
 CANCEL_TTL_S = 600
 
 
-def job_stream(model: str) -> str:
-    return f"{PREFIX}:jobs:{{{model}}}"
+class Lane(StrEnum):
+    PREMIUM = "premium"
+    STANDARD = "standard"
+
+    @property
+    def priority(self) -> int:
+        """vLLM's request priority (``--scheduling-policy priority``): lower runs first."""
+        return 0 if self is Lane.PREMIUM else 10
+
+
+def pool_name(model: str, dedicated: str | None = None) -> str:
+    """The pool serving ``model``: the shared one, or an enterprise account's dedicated one.
+
+    Every key below that takes a ``model`` takes a pool name: a worker of a dedicated pool serves
+    the same model under ``model@pool``."""
+    return f"{model}@{dedicated}" if dedicated else model
+
+
+def model_of(pool: str) -> str:
+    return pool.split("@", 1)[0]
+
+
+def job_stream(model: str, lane: Lane = Lane.STANDARD) -> str:
+    return f"{PREFIX}:jobs:{{{model}}}:{lane.value}"
+
+
+def worker_stream(model: str, worker_id: str) -> str:
+    """Jobs routed to one worker (prefix-aware routing); only that worker reads it."""
+    return f"{PREFIX}:jobs:{{{model}}}:w:{worker_id}"
+
+
+def drained_key(model: str, lane: Lane) -> str:
+    """How many jobs workers have taken from a lane: the gateway derives the drain rate from it."""
+    return f"{PREFIX}:drained:{{{model}}}:{lane.value}"
+
+
+def prefix_key(model: str, prefix_hash: str) -> str:
+    """The worker that last served a prompt prefix (its KV cache likely still holds it)."""
+    return f"{PREFIX}:prefix:{{{model}}}:{prefix_hash}"
+
 
 
 def reply_stream(request_id: str) -> str:
@@ -61,6 +111,12 @@ def worker_key(worker_id: str) -> str:
 class Endpoint(StrEnum):
     CHAT = "chat"
     COMPLETION = "completion"
+
+
+class WorkerState(StrEnum):
+    STARTING = "starting"
+    WARM = "warm"
+    DRAINING = "draining"
 
 
 class ReplyKind(StrEnum):
@@ -86,7 +142,15 @@ class Job:
     endpoint: Endpoint
     body: str
     enqueued_ms: int
-    priority: int = 0
+    lane: Lane = Lane.STANDARD
+    # Wall-clock ms after which a job still queued is dropped (x-flatfare-max-queue-ms); 0: none.
+    deadline_ms: int = 0
+    # Hash of the prompt's long shared prefix, when there is one (prefix-aware routing).
+    prefix: str = ""
+
+    @property
+    def priority(self) -> int:
+        return self.lane.priority
 
     def to_fields(self) -> dict[str, str]:
         return {
@@ -94,7 +158,9 @@ class Job:
             "ep": self.endpoint.value,
             "body": self.body,
             "t": str(self.enqueued_ms),
-            "p": str(self.priority),
+            "l": self.lane.value,
+            "dl": str(self.deadline_ms),
+            "px": self.prefix,
         }
 
     @classmethod
@@ -105,7 +171,9 @@ class Job:
             endpoint=Endpoint(f["ep"]),
             body=f["body"],
             enqueued_ms=int(f["t"]),
-            priority=int(f.get("p", "0")),
+            lane=Lane(f.get("l", Lane.STANDARD.value)),
+            deadline_ms=int(f.get("dl", "0")),
+            prefix=f.get("px", ""),
         )
 
 
@@ -121,9 +189,9 @@ class Reply:
 
     ``data`` is, by kind: CHUNK, the JSON of one SSE event (without ``data: ``); RESPONSE, the
     JSON body; ERROR, the OpenAI error body; END, empty. ``status`` is the HTTP status for
-    RESPONSE and ERROR. ``usage`` is set on RESPONSE and END. On terminal replies,
-    ``started_ms`` is the worker's wall clock when it took the job and ``first_token_ms`` when the
-    engine produced the first output (0 when none came).
+    RESPONSE and ERROR. ``usage`` is set on RESPONSE and END. ``started_ms`` (the worker's wall
+    clock when it took the job) is on the first CHUNK and on terminal replies; ``first_token_ms``
+    (when the engine produced its first output, 0 when none came) is on terminal replies.
     """
 
     kind: ReplyKind
@@ -135,9 +203,10 @@ class Reply:
 
     def to_fields(self) -> dict[str, str]:
         fields = {"k": self.kind.value, "d": self.data}
+        if self.started_ms:
+            fields["q"] = str(self.started_ms)
         if self.kind is not ReplyKind.CHUNK:
             fields["s"] = str(self.status)
-            fields["q"] = str(self.started_ms)
             fields["f"] = str(self.first_token_ms)
             if self.usage is not None:
                 fields["u"] = json.dumps(asdict(self.usage))
@@ -166,9 +235,16 @@ class WorkerInfo:
     max_model_len: int
     capacity: int
     inflight: int = 0
+    # The pool it serves: the model's name, or model@pool for a dedicated pool.
+    pool: str = ""
     started_ms: int = 0
     engine: str = "vllm"
+    state: WorkerState = WorkerState.WARM
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def free(self) -> int:
+        return max(self.capacity - self.inflight, 0)
 
     def to_fields(self) -> dict[str, str]:
         return {
@@ -177,8 +253,10 @@ class WorkerInfo:
             "max_model_len": str(self.max_model_len),
             "capacity": str(self.capacity),
             "inflight": str(self.inflight),
+            "pool": self.pool or self.model,
             "started_ms": str(self.started_ms),
             "engine": self.engine,
+            "state": self.state.value,
             "extra": json.dumps(self.extra),
         }
 
@@ -191,7 +269,9 @@ class WorkerInfo:
             max_model_len=int(f["max_model_len"]),
             capacity=int(f["capacity"]),
             inflight=int(f.get("inflight", "0")),
+            pool=f.get("pool", f["model"]),
             started_ms=int(f.get("started_ms", "0")),
             engine=f.get("engine", "vllm"),
+            state=WorkerState(f.get("state", WorkerState.WARM.value)),
             extra=json.loads(f.get("extra", "{}")),
         )

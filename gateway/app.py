@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from flatfare.logs import configure_logging
+from flatfare.contract import Lane
 from flatfare.redis_conn import connect
 from fastapi import FastAPI
 
@@ -24,7 +25,9 @@ from gateway.completions import CompletionService
 from gateway.errors import install_handlers
 from gateway.metrics import GatewayMetrics, RequestObserver
 from gateway.metrics import router as metrics_router
+from gateway.affinity import PrefixRouter
 from gateway.plans import PlanBook
+from gateway.queueing import LaneLimits, LaneQueue
 from gateway.pools import Pools
 from gateway.ratelimit import RateLimitHeaders
 from gateway.replies import Dispatcher
@@ -54,8 +57,11 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         state.plans = PlanBook(sessions, settings.plans_cache_ttl_s)
         state.quota = DailyQuota(redis, ledger.billable_counts)
         state.ledger = ledger
-        state.completions = CompletionService(state.pools, Dispatcher(redis, settings.request_timeout_s),
-                                              ledger, state.plans, state.quota, metrics)
+        limits = {Lane.PREMIUM: LaneLimits(settings.max_queue_depth_premium, settings.max_queue_wait_s_premium),
+                  Lane.STANDARD: LaneLimits(settings.max_queue_depth_standard, settings.max_queue_wait_s_standard)}
+        state.completions = CompletionService(
+            state.pools, Dispatcher(redis, settings.request_timeout_s), ledger, state.plans, state.quota,
+            LaneQueue(redis, limits), PrefixRouter(redis, settings.prefix_routing), metrics)
         state.accounts = AccountStore(sessions)
         state.stripe = None
         state.webhooks = WebhookProcessor(sessions, {price: plan for plan, price in settings.stripe_prices.items()})

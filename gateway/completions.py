@@ -40,6 +40,8 @@ from gateway.plans import PlanBook
 from gateway.pools import Pool, Pools
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.ratelimit import ratelimit_headers
+from gateway.affinity import PrefixRouter, prefix_hash
+from gateway.queueing import LaneQueue, Queued
 from gateway.replies import Dispatcher
 
 log = logging.getLogger("flatfare.gateway")
@@ -105,7 +107,7 @@ def _billable(reply: Reply) -> bool:
     return reply.first_token_ms > 0 or (reply.kind is not ReplyKind.ERROR and reply.status < 400)
 
 
-def _outcome(reply: Reply, created_ms: int, finished_ms: int) -> Outcome:
+def _outcome(reply: Reply, created_ms: int, finished_ms: int, produced: bool = False) -> Outcome:
     usage = reply.usage
     failed = reply.kind is ReplyKind.ERROR
     error_code = None
@@ -120,7 +122,7 @@ def _outcome(reply: Reply, created_ms: int, finished_ms: int) -> Outcome:
         prompt_tokens=usage.prompt_tokens if usage else 0,
         completion_tokens=usage.completion_tokens if usage else 0,
         error_code=str(error_code) if error_code else None,
-        billable=_billable(reply),
+        billable=produced or _billable(reply),
     )
 
 
@@ -150,9 +152,12 @@ class Admission:
 
 class CompletionService:
     def __init__(self, pools: Pools, dispatcher: Dispatcher, ledger: Ledger, plans: PlanBook,
-                 quota: DailyQuota, metrics: GatewayMetrics | None = None) -> None:
+                 quota: DailyQuota, queue: LaneQueue, router: PrefixRouter,
+                 metrics: GatewayMetrics | None = None) -> None:
         self._pools = pools
         self._dispatcher = dispatcher
+        self._queue = queue
+        self._router = router
         self._ledger = ledger
         self._plans = plans
         self._quota = quota
@@ -168,8 +173,9 @@ class CompletionService:
         if entry is not None and not entry.allows_plan(terms.plan.name):
             raise APIError(403, f"The model '{parsed.model}' is not offered on the {terms.plan.name} plan.",
                            param="model", code="model_not_allowed")
-        pool = await self._pools.route(parsed.model)
+        pool = await self._pools.route(parsed.model, terms.pool)
         check_fits(parsed, pool)
+        deadline_ms = _deadline(request, now)
         label_request(request, model=pool.model)
         for field in _RESERVED_FIELDS:
             body.pop(field, None)
@@ -203,16 +209,23 @@ class CompletionService:
             await self._give_back(admission)
             raise APIError(503, "The ledger is unreachable; retry shortly.", code="ledger_unavailable",
                            headers={"Retry-After": "1"}) from None
+        prefix = prefix_hash(endpoint, body) if self._router.enabled else ""
         job = Job(request_id=admission.request_id, endpoint=endpoint, body=orjson.dumps(body).decode(),
-                  enqueued_ms=admission.created_ms)
+                  enqueued_ms=admission.created_ms, lane=terms.plan.lane, deadline_ms=deadline_ms, prefix=prefix)
         try:
-            await self._dispatcher.submit(pool.model, job)
+            routed = await self._router.target(pool.name, prefix, pool.workers)
+            queued = await self._queue.submit(job, pool.name, routed)
+        except APIError as exc:  # the lane is full: refused at once, and free
+            await self._settle(admission, Outcome(RequestStatus.FAILED, exc.status, error_code=exc.code,
+                                                  billable=False), keep_reply=False)
+            raise
         except RedisError:
             await self._settle(admission, Outcome(RequestStatus.FAILED, 503, error_code="queue_unavailable",
                                                   billable=False), keep_reply=False)
             raise APIError(503, "The request queue is unreachable; retry shortly.", code="queue_unavailable",
                            headers={"Retry-After": "1"}) from None
-        return await self._relay(admission, request, keep_reply=idempotency_key is not None)
+        return await self._relay(admission, request, keep_reply=idempotency_key is not None,
+                                 queued=queued if deadline_ms else None, deadline_ms=deadline_ms)
 
     async def _count(self, caller: Caller, terms: AccountTerms, window: QuotaWindow, now: datetime) -> Decision:
         try:
@@ -270,12 +283,15 @@ class CompletionService:
                               existing.quota_day or "", owner=False)
         return await self._relay(admission, request, keep_reply=True)
 
-    async def _relay(self, admission: Admission, request: Request, *, keep_reply: bool) -> Response:
+    async def _relay(self, admission: Admission, request: Request, *, keep_reply: bool,
+                     queued: Queued | None = None, deadline_ms: int = 0) -> Response:
         headers = {"x-request-id": admission.request_id}
         replies = self._dispatcher.replies(admission.request_id)
-        first = await self._first_reply(admission, replies, request, keep_reply)
+        first = await self._first_reply(admission, replies, request, keep_reply, queued, deadline_ms)
         if first is None:
             return Response(status_code=CLIENT_CLOSED, headers=headers)
+        if first.started_ms:
+            headers["x-flatfare-queue-ms"] = str(max(first.started_ms - admission.created_ms, 0))
         if admission.owner and (first.kind is ReplyKind.CHUNK
                                 or (first.kind is ReplyKind.RESPONSE and first.status < 400)):
             self._metrics.first_token(admission.model, admission.lane, (_now_ms() - admission.created_ms) / 1000)
@@ -285,12 +301,26 @@ class CompletionService:
                                  media_type="text/event-stream", headers={**headers, **_SSE_HEADERS})
 
     async def _first_reply(self, admission: Admission, replies: AsyncIterator[Reply], request: Request,
-                           keep_reply: bool) -> Reply | None:
-        """The first reply, or None if the client left first (the job is then cancelled)."""
+                           keep_reply: bool, queued: Queued | None = None, deadline_ms: int = 0) -> Reply | None:
+        """The first reply, or None if the client left first (the job is then cancelled).
+
+        Past the client's queue deadline, a job no worker has taken yet is withdrawn: 429, free."""
         reading = asyncio.ensure_future(anext(replies))
         leaving = asyncio.ensure_future(_client_gone(request))
         try:
-            await asyncio.wait({reading, leaving}, return_when=asyncio.FIRST_COMPLETED)
+            while True:
+                timeout = max(deadline_ms - _now_ms(), 0) / 1000 if queued is not None else None
+                done, _ = await asyncio.wait({reading, leaving}, timeout=timeout,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if done:
+                    break
+                if await self._queue.withdraw(queued):
+                    await self._abandon(admission, RequestStatus.FAILED, 429, "queue_deadline_exceeded",
+                                        billable=False, keep_reply=keep_reply)
+                    raise APIError(429, "The request waited in the queue past its x-flatfare-max-queue-ms "
+                                   "deadline; it was not run and costs nothing.", code="queue_deadline_exceeded",
+                                   headers={"Retry-After": "1", "x-request-id": admission.request_id})
+                queued = None  # a worker has it: no deadline any more
         finally:
             leaving.cancel()
             if not reading.done():
@@ -343,11 +373,26 @@ class CompletionService:
                     await self._abandon(admission, RequestStatus.FAILED, 504, "timeout", billable=True,
                                         keep_reply=keep_reply)
                 elif last.kind.terminal:
-                    await self._settle(admission, _outcome(last, admission.created_ms, _now_ms()),
+                    # Chunks went out before this terminal reply: output was produced, so it is charged.
+                    await self._settle(admission, _outcome(last, admission.created_ms, _now_ms(), produced=True),
                                        keep_reply=keep_reply)
                 else:
                     await self._abandon(admission, RequestStatus.CANCELLED, CLIENT_CLOSED, "client_closed",
                                         billable=True, keep_reply=keep_reply)
+
+
+MAX_QUEUE_DEADLINE_MS = 86_400_000
+
+
+def _deadline(request: Request, now: datetime) -> int:
+    """The wall-clock ms past which a still-queued job is dropped (x-flatfare-max-queue-ms); 0: none."""
+    raw = request.headers.get("x-flatfare-max-queue-ms")
+    if raw is None:
+        return 0
+    if not raw.strip().isdigit() or not 0 < int(raw) <= MAX_QUEUE_DEADLINE_MS:
+        raise invalid(f"x-flatfare-max-queue-ms must be a whole number of milliseconds from 1 to "
+                      f"{MAX_QUEUE_DEADLINE_MS}.", param="x-flatfare-max-queue-ms")
+    return int(now.timestamp() * 1000) + int(raw)
 
 
 def _idempotency_key(request: Request) -> str | None:

@@ -38,7 +38,7 @@ async def readyz(request: Request) -> JSONResponse:
         models: dict[str, str] = {}
         for entry in (await state.pools.catalog()).values():
             if entry.enabled and entry.min_workers > 0:
-                live = await state.pools.live_workers(entry.name)
+                live = await state.pools.warm_workers(entry.name)
                 models[entry.name] = f"{len(live)} live worker(s)" if live else "no live worker"
         checks["models"] = models
     ready = (checks["database"] == "ok" and checks["redis"] == "ok"

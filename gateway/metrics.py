@@ -50,9 +50,8 @@ QUEUE_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 1
 
 
 def lane_streams(model: str) -> dict[str, str]:
-    """A model's job streams by lane. Today one stream per model, reported as the standard lane; the
-    premium/standard split adds its streams here and every queue metric follows."""
-    return {Lane.STANDARD.value: contract.job_stream(model)}
+    """A model's job streams by lane (premium, standard)."""
+    return {lane.value: contract.job_stream(model, lane) for lane in Lane}
 
 
 class GatewayMetrics:

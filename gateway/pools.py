@@ -5,15 +5,22 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from datetime import datetime
+from enum import StrEnum
 
 import redis.asyncio as aioredis
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from flatfare import contract
-from flatfare.contract import WorkerInfo
+from flatfare.contract import WorkerInfo, WorkerState
 from flatfare.storage.models import CatalogModel
 from gateway.errors import APIError
+
+
+class ModelState(StrEnum):
+    WARM = "warm"
+    STARTING = "starting"
+    UNAVAILABLE = "unavailable"
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +31,8 @@ class CatalogEntry:
     created: int
     # Plans that may use the model; None: any plan whose own list allows it.
     plans: frozenset[str] | None = None
+    # Pinned or with a minimum of workers: it should always be served.
+    expected: bool = False
 
     def allows_plan(self, plan: str) -> bool:
         return self.plans is None or plan in self.plans
@@ -31,10 +40,11 @@ class CatalogEntry:
 
 @dataclass(frozen=True, slots=True)
 class Pool:
-    """A model the gateway can route to right now."""
+    """Warm workers the gateway can route a model's requests to right now."""
 
     model: str
     workers: tuple[WorkerInfo, ...]
+    name: str = ""  # the pool's key: the model, or model@pool for a dedicated pool
 
     @property
     def max_model_len(self) -> int:
@@ -56,7 +66,8 @@ class Pools:
         async with self._sessions() as session:
             rows = (await session.scalars(select(CatalogModel))).all()
         entries = {row.name: CatalogEntry(row.name, row.enabled, row.min_workers, _epoch(row.created_at),
-                                          frozenset(row.plans) if row.plans is not None else None)
+                                          frozenset(row.plans) if row.plans is not None else None,
+                                          expected=row.pinned or row.min_workers > 0)
                    for row in rows}
         self._catalog = (time.monotonic() + self._ttl_s, entries)
         return entries
@@ -80,24 +91,50 @@ class Pools:
         self._live[model] = (now + self._ttl_s, live)
         return live
 
-    async def served_models(self) -> list[str]:
-        """Every model with a live worker, catalogued or not."""
-        names = sorted(m.decode() for m in await self._redis.smembers(contract.POOLS_KEY))
-        return [name for name in names if await self.live_workers(name)]
+    async def warm_workers(self, pool: str) -> tuple[WorkerInfo, ...]:
+        return tuple(w for w in await self.live_workers(pool) if w.state is WorkerState.WARM)
 
-    async def route(self, model: str) -> Pool:
-        """The pool for ``model``, or the error the client should get."""
+    async def model_states(self) -> dict[str, ModelState]:
+        """What ``/v1/models`` shows: every model a shared pool serves or starts, and every enabled
+        catalog model expected to be served (pinned or with a minimum of workers), by state."""
+        states: dict[str, ModelState] = {}
+        pools = sorted(m.decode() for m in await self._redis.smembers(contract.POOLS_KEY))
+        for pool in pools:
+            if "@" in pool:  # dedicated pools are not listed to everyone
+                continue
+            workers = await self.live_workers(pool)
+            if any(w.state is WorkerState.WARM for w in workers):
+                states[pool] = ModelState.WARM
+            elif any(w.state is WorkerState.STARTING for w in workers):
+                states[pool] = ModelState.STARTING
+        for entry in (await self.catalog()).values():
+            if not entry.enabled:
+                states.pop(entry.name, None)
+            elif entry.expected and entry.name not in states:
+                states[entry.name] = ModelState.UNAVAILABLE
+        return dict(sorted(states.items()))
+
+    async def route(self, model: str, dedicated_pool: str | None = None) -> Pool:
+        """The pool for ``model`` (the account's dedicated one when it has warm workers), or the
+        error the client should get."""
         entry = (await self.catalog()).get(model)
         if entry is not None and not entry.enabled:
             raise APIError(404, f"The model '{model}' is disabled on this platform.", param="model",
                            code="model_not_found")
-        workers = await self.live_workers(model)
+        if dedicated_pool:
+            name = contract.pool_name(model, dedicated_pool)
+            workers = await self.warm_workers(name)
+            if workers:
+                return Pool(model, workers, name)
+        workers = await self.warm_workers(model)
         if workers:
-            return Pool(model, workers)
-        if entry is None:
+            return Pool(model, workers, model)
+        starting = any(w.state is WorkerState.STARTING for w in await self.live_workers(model))
+        if entry is None and not starting:
             raise APIError(404, f"The model '{model}' does not exist or you do not have access to it.",
                            param="model", code="model_not_found")
-        raise APIError(503, f"No worker is serving '{model}' right now; retry shortly.", param="model",
+        why = "is starting" if starting else "has no live worker"
+        raise APIError(503, f"The model '{model}' {why} right now; retry shortly.", param="model",
                        code="model_unavailable", headers={"Retry-After": "5"})
 
 

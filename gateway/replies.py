@@ -1,4 +1,5 @@
-"""The gateway's side of the queue contract: put a job on its pool's stream, read its replies."""
+"""The gateway's side of the reply contract: read a request's replies, cancel it, tidy up.
+(Jobs are put on their lanes by :mod:`gateway.queueing`.)"""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 
 from flatfare import contract
-from flatfare.contract import Job, Reply
+from flatfare.contract import Reply
 from gateway.errors import APIError
 
 # How long one blocking read waits before the deadline is checked again.
@@ -23,9 +24,6 @@ class Dispatcher:
     def __init__(self, redis: aioredis.Redis, timeout_s: float) -> None:
         self._redis = redis
         self._timeout_s = timeout_s
-
-    async def submit(self, model: str, job: Job) -> None:
-        await self._redis.xadd(contract.job_stream(model), job.to_fields())
 
     async def replies(self, request_id: str) -> AsyncIterator[Reply]:
         """The request's replies in order, ending with its terminal one; 504 past the timeout."""

@@ -30,14 +30,13 @@ async def completions(request: Request, caller: CurrentCaller, raw: RawBody, ser
 
 
 async def _model_cards(pools: PoolsDep) -> list[dict[str, Any]]:
+    """OpenAI's model objects, plus Flatfare's ``state``: warm, starting or unavailable."""
     catalog = await pools.catalog()
     cards = []
-    for name in await pools.served_models():
+    for name, state in (await pools.model_states()).items():
         entry = catalog.get(name)
-        if entry is not None and not entry.enabled:
-            continue
         cards.append({"id": name, "object": "model", "created": entry.created if entry else 0,
-                      "owned_by": "flatfare"})
+                      "owned_by": "flatfare", "state": state.value})
     return cards
 
 

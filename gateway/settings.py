@@ -19,6 +19,14 @@ class GatewaySettings(CommonSettings):
     auth_cache_ttl_s: float = 0.5
     pools_cache_ttl_s: float = 0.5
     plans_cache_ttl_s: float = 0.5
+    # Backpressure per lane: most jobs waiting, and longest estimated wait (at the lane's recent
+    # drain rate); past either, new requests get 429 with Retry-After at once.
+    max_queue_depth_premium: int = 2000
+    max_queue_depth_standard: int = 5000
+    max_queue_wait_s_premium: float = 30.0
+    max_queue_wait_s_standard: float = 120.0
+    # Send requests sharing a long prompt prefix to the worker that served it last (prefix cache).
+    prefix_routing: bool = True
     db_pool_size: int = 20
     # Where the gateway processes keep their metric files (prometheus_client's multiprocess mode);
     # emptied at start. Empty: a fresh temporary folder each start.

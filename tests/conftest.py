@@ -121,7 +121,8 @@ def _wait_ready(stack: Stack) -> None:
         try:
             models = httpx.get(f"{stack.base_url}/v1/models", timeout=2,
                                headers={"Authorization": f"Bearer {stack.api_key}"})
-            if models.status_code == 200 and any(m["id"] == stack.model for m in models.json()["data"]):
+            if models.status_code == 200 and any(m["id"] == stack.model and m.get("state", "warm") == "warm"
+                                                 for m in models.json()["data"]):
                 return
         except httpx.HTTPError:
             pass

@@ -23,16 +23,20 @@ FILLER = " token"
 class InstantEngine:
     """Streams ``tokens`` chunks per request (``max_tokens`` lowers it), without any delay."""
 
-    def __init__(self, tokens: int = 16, capacity: int = 1024, first_token_delay_s: float = 0.0) -> None:
+    def __init__(self, tokens: int = 16, capacity: int = 1024, first_token_delay_s: float = 0.0,
+                 token_delay_s: float = 0.0, start_delay_s: float = 0.0) -> None:
         self.tokens = tokens
-        # Tests use a delay to catch a request between "taken by a worker" and "first token".
+        # Tests slow it down to catch a request or a worker in a given state.
         self.first_token_delay_s = first_token_delay_s
+        self.token_delay_s = token_delay_s
+        self.start_delay_s = start_delay_s
         self.max_model_len = 1 << 20
         self.max_num_seqs = capacity
         self._running = 0
 
     async def start(self) -> None:
-        return None
+        if self.start_delay_s:
+            await asyncio.sleep(self.start_delay_s)
 
     async def run(self, endpoint: Endpoint, body: dict[str, Any]) -> EngineResult:
         count = min(self.tokens, int(body.get("max_tokens") or body.get("max_completion_tokens") or self.tokens))
@@ -65,6 +69,8 @@ class InstantEngine:
             if self.first_token_delay_s:
                 await asyncio.sleep(self.first_token_delay_s)
             for i in range(count):
+                if i and self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
                 last = i == count - 1
                 if chat:
                     choice = {"index": 0, "delta": {"content": FILLER}, "finish_reason": "length" if last else None}

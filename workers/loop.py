@@ -1,8 +1,9 @@
-"""The worker loop: claim jobs from the pool's stream, run them on the engine, reply, acknowledge.
+"""The worker loop: claim jobs (own stream, premium, standard), run them on the engine, reply, acknowledge.
 
 Many jobs run at once (up to the engine's batch capacity) so vLLM's continuous batching has work;
 each job's chunks go to its reply stream as the engine yields them. A job is acknowledged only once
-its terminal reply is written (or its client is gone).
+its terminal reply is written (or its client is gone); until then its lease is renewed, and jobs of
+workers that died are taken over (see :mod:`workers.claims`).
 """
 
 from __future__ import annotations
@@ -11,17 +12,16 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
 
 from flatfare import contract
-from flatfare.contract import Endpoint, Job, Reply, ReplyKind, Usage, WorkerInfo
+from flatfare.contract import Endpoint, Job, Lane, Reply, ReplyKind, Usage, WorkerInfo, WorkerState
 from flatfare.logs import bind, prompts_enabled
-from flatfare.storage.models import Lane
+from workers.claims import Claimed, Claimer
 from workers.metrics import WorkerMetrics
+from workers.presence import Presence, listen_for_cancels, now_ms
 
 log = logging.getLogger("flatfare.worker")
 
@@ -42,8 +42,12 @@ class EngineLike(Protocol):
     def errored(self) -> bool: ...
 
 
-def now_ms() -> int:
-    return int(time.time() * 1000)
+PREFIX_TTL_S = 300
+
+
+def _error(status: int, message: str, code: str, kind: str = "server_error") -> Reply:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return Reply(ReplyKind.ERROR, json.dumps(body), status=status, started_ms=now_ms())
 
 
 def _usage(payload: dict[str, Any]) -> Usage | None:
@@ -56,58 +60,76 @@ def _usage(payload: dict[str, Any]) -> Usage | None:
 
 class WorkerLoop:
     def __init__(self, redis: aioredis.Redis, engine: EngineLike, info: WorkerInfo,
-                 drain_timeout_s: float = 30.0, metrics: WorkerMetrics | None = None) -> None:
+                 drain_timeout_s: float = 30.0, metrics: WorkerMetrics | None = None,
+                 lease_s: float = contract.DEFAULT_LEASE_S, presence: Presence | None = None) -> None:
         self.redis = redis
         self.engine = engine
         self.info = info
         self.drain_timeout_s = drain_timeout_s
-        self.stream = contract.job_stream(info.model)
-        # The lane each stream serves, for the metrics: one stream per pool today, the standard lane.
-        self.lanes: dict[str, str] = {self.stream: Lane.STANDARD.value}
+        self.lease_ms = int(lease_s * 1000)
+        self.pool = info.pool or info.model
+        self.claimer = Claimer(redis, self.pool, info.worker_id)
+        self.presence = presence or Presence(redis, info)
         self.metrics = metrics
         self.inflight: dict[str, asyncio.Task[None]] = {}
+        # request id -> (stream, entry id) of each job held, for acks, renewals and hand-backs.
+        self.entries: dict[str, tuple[str, bytes]] = {}
+        self._handed_back: set[str] = set()
         self._slot_freed = asyncio.Event()
         self._stopping = asyncio.Event()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def run(self) -> None:
-        await self._ensure_group()
-        background = [asyncio.create_task(self._heartbeat(), name="heartbeat"),
-                      asyncio.create_task(self._listen_cancels(), name="cancels")]
+        await self.claimer.setup()
+        self.presence.refresh = self._refresh
+        if self.presence._task is None:
+            self.presence.start()
+        await self.presence.set_state(WorkerState.WARM)
+        background = [asyncio.create_task(listen_for_cancels(self.redis, self._cancel), name="cancels"),
+                      asyncio.create_task(self._renew_leases(), name="leases"),
+                      asyncio.create_task(self._take_over(), name="takeover")]
         try:
             await self._claim_loop()
+            await self.presence.set_state(WorkerState.DRAINING)
             await self._drain()
         finally:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
-            await self._deregister()
+            await self.presence.stop()
 
     @property
     def draining(self) -> bool:
         return self._stopping.is_set()
 
     def stop(self) -> None:
-        """Stop taking work; what is held finishes within the drain timeout."""
+        """Stop taking work; what is held finishes within the drain timeout, the rest is handed back."""
         self._stopping.set()
         self._slot_freed.set()
 
-    async def _ensure_group(self) -> None:
-        try:
-            await self.redis.xgroup_create(self.stream, contract.POOL_GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+    def _refresh(self, info: WorkerInfo) -> None:
+        info.inflight = len(self.inflight)
+        info.extra["engine_unfinished"] = self.engine.unfinished_requests()
 
     async def _drain(self) -> None:
         if not self.inflight:
             return
         log.info("draining %d jobs (up to %.0f s)", len(self.inflight), self.drain_timeout_s)
         _, pending = await asyncio.wait(list(self.inflight.values()), timeout=self.drain_timeout_s)
-        for task in pending:
-            task.cancel()
+        if not pending:
+            return
+        # Not finished in time: give the jobs back so a live worker takes them over at once.
+        held: dict[str, list[bytes]] = {}
+        for request_id, task in list(self.inflight.items()):
+            if task in pending:
+                self._handed_back.add(request_id)
+                stream, entry_id = self.entries[request_id]
+                held.setdefault(stream, []).append(entry_id)
+                task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+        await self.claimer.hand_back(held, self.lease_ms)
+        log.info("handed back %d jobs", sum(len(ids) for ids in held.values()))
 
     # -- claiming ----------------------------------------------------------------------------
 
@@ -120,39 +142,83 @@ class WorkerLoop:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
-            entries = await self.redis.xreadgroup(
-                contract.POOL_GROUP, self.info.worker_id, {self.stream: ">"}, count=free, block=1000)
-            for stream, messages in entries or []:
-                lane = self.lanes.get(stream.decode() if isinstance(stream, bytes) else stream, Lane.STANDARD.value)
-                for entry_id, fields in messages:
-                    self._start(entry_id, fields, lane)
+            self._start_all(await self.claimer.claim(free))
 
-    def _start(self, entry_id: bytes, fields: dict[bytes, bytes], lane: str = Lane.STANDARD.value) -> None:
+    def _start_all(self, claimed: list[Claimed]) -> None:
+        drained = {c.lane: len(c.entries) for c in claimed if c.lane is not None and not c.reclaimed}
+        if drained:
+            asyncio.create_task(self._count_drained(drained))
+        for batch in claimed:
+            for entry_id, fields in batch.entries:
+                self._start(batch, entry_id, fields)
+
+    async def _count_drained(self, drained: dict[Lane, int]) -> None:
+        with contextlib.suppress(aioredis.RedisError, OSError):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for lane, count in drained.items():
+                    pipe.incrby(contract.drained_key(self.pool, lane), count)
+                await pipe.execute()
+
+    def _start(self, batch: Claimed, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         try:
             job = Job.from_fields(fields)
         except (KeyError, ValueError):
             log.error("dropping malformed job %s", entry_id)
-            asyncio.create_task(self._ack(entry_id))
+            asyncio.create_task(self._ack(batch.stream, entry_id))
+            return
+        if job.request_id in self.inflight:  # already running here (a takeover of our own job)
             return
         if self.metrics is not None:
-            self.metrics.taken(lane, job.enqueued_ms)
-        task = asyncio.create_task(self._handle(entry_id, job), name=job.request_id)
+            self.metrics.taken((batch.lane or job.lane).value, job.enqueued_ms)
+        self.entries[job.request_id] = (batch.stream, entry_id)
+        task = asyncio.create_task(self._handle(batch.stream, entry_id, job, batch.reclaimed), name=job.request_id)
         self.inflight[job.request_id] = task
         task.add_done_callback(lambda _t, rid=job.request_id: self._finished(rid))
 
     def _finished(self, request_id: str) -> None:
         self.inflight.pop(request_id, None)
+        self.entries.pop(request_id, None)
+        self._handed_back.discard(request_id)
         self._slot_freed.set()
 
-    async def _ack(self, entry_id: bytes) -> None:
+    async def _ack(self, stream: str, entry_id: bytes) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xack(self.stream, contract.POOL_GROUP, entry_id)
-            pipe.xdel(self.stream, entry_id)
+            pipe.xack(stream, contract.POOL_GROUP, entry_id)
+            pipe.xdel(stream, entry_id)
             await pipe.execute()
+
+    async def _renew_leases(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_ms / 3000)
+            held: dict[str, list[bytes]] = {}
+            for stream, entry_id in list(self.entries.values()):
+                held.setdefault(stream, []).append(entry_id)
+            if held:
+                with contextlib.suppress(aioredis.RedisError, OSError):
+                    await self.claimer.renew(held)
+
+    async def _take_over(self) -> None:
+        """Run the jobs of workers that died (their lease ran out) while this one has room."""
+        while True:
+            await asyncio.sleep(self.lease_ms / 2000)
+            free = self.info.capacity - len(self.inflight)
+            if free <= 0 or self._stopping.is_set():
+                continue
+            try:
+                live = await self.presence.live_workers()
+                self._start_all(await self.claimer.take_over(free, self.lease_ms, live))
+            except (aioredis.RedisError, OSError):
+                log.warning("takeover pass failed", exc_info=True)
+
+    def _cancel(self, request_id: str) -> None:
+        task = self.inflight.get(request_id)
+        if task is not None:
+            log.info("aborting %s: its client went away", request_id)
+            task.cancel()
 
     # -- one job -----------------------------------------------------------------------------
 
-    async def _handle(self, entry_id: bytes, job: Job) -> None:
+    async def _handle(self, stream: str, entry_id: bytes, job: Job, reclaimed: bool) -> None:
         reply_key = contract.reply_stream(job.request_id)
         bind(request_id=job.request_id, model=self.info.model)  # this task's log lines
         try:
@@ -160,26 +226,45 @@ class WorkerLoop:
                 log.info("skipping %s: its client went away while it was queued", job.request_id)
                 self._ended_without_reply("skipped")
                 return
+            if job.deadline_ms and now_ms() > job.deadline_ms:
+                await self._reply(reply_key, _error(429, "The request waited in the queue past its "
+                                                    "x-flatfare-max-queue-ms deadline; it was not run.",
+                                                    "queue_deadline_exceeded", "rate_limit_error"))
+                return
+            if reclaimed and await self.redis.xlen(reply_key):
+                # Its worker died after part of the answer went out: running it again would send a
+                # second, different answer after the first one's start. Fail it cleanly instead.
+                await self._reply(reply_key, _error(502, "The worker running this request was lost in the "
+                                                    "middle of its answer; retry it.", "worker_lost"))
+                return
             await self._run(job, reply_key, now_ms())
         except asyncio.CancelledError:
-            # The client went away (or the drain timed out): the engine request is aborted by
-            # closing its generator; nobody reads the reply stream any more.
-            self._ended_without_reply("cancelled")
+            # The client went away, or the drain timed out and the job is handed back: the engine
+            # request is aborted by closing its generator.
+            self._ended_without_reply("handed_back" if job.request_id in self._handed_back else "cancelled")
             raise
         except Exception:  # noqa: BLE001 - any engine failure must still answer the client
             log.exception("job %s failed", job.request_id)
-            error = {"error": {"message": "The worker failed while running this request; retry it.",
-                               "type": "server_error", "param": None, "code": "worker_error"}}
             with contextlib.suppress(Exception):
-                await self._reply(reply_key, Reply(ReplyKind.ERROR, json.dumps(error), status=500, started_ms=now_ms()))
+                await self._reply(reply_key, _error(500, "The worker failed while running this request; retry it.",
+                                                    "worker_error"))
         finally:
-            await asyncio.shield(self._ack(entry_id))
+            if job.request_id not in self._handed_back:
+                await asyncio.shield(self._finish(stream, entry_id, job))
+
+    async def _finish(self, stream: str, entry_id: bytes, job: Job) -> None:
+        await self._ack(stream, entry_id)
+        if job.prefix:  # this worker's prefix cache now holds it: route the next ones here
+            with contextlib.suppress(aioredis.RedisError, OSError):
+                await self.redis.set(contract.prefix_key(self.pool, job.prefix), self.info.worker_id,
+                                     ex=PREFIX_TTL_S)
 
     async def _run(self, job: Job, reply_key: str, started_ms: int) -> None:
         body = json.loads(job.body)
         if prompts_enabled():  # FLATFARE_LOG_PROMPTS: customers' data, off unless switched on
             log.info("prompt of %s", job.request_id, extra={"prompt": body.get("messages", body.get("prompt"))})
         body["request_id"] = job.request_id
+        body["priority"] = job.priority  # premium wins inside the batch (--scheduling-policy priority)
         wants_usage = False
         if body.get("stream"):
             options = body.get("stream_options") or {}
@@ -218,8 +303,10 @@ class WorkerLoop:
                     first = not first_token_ms
                     if first:
                         first_token_ms = now_ms()
-                    # The TTL goes on with the first chunk and is refreshed by the terminal reply.
-                    await self._reply(reply_key, Reply(ReplyKind.CHUNK, payload), set_ttl=first)
+                    # The first chunk carries the start time (the gateway's x-flatfare-queue-ms) and
+                    # sets the TTL, which the terminal reply refreshes.
+                    await self._reply(reply_key, Reply(ReplyKind.CHUNK, payload, started_ms=started_ms if first else 0),
+                                      set_ttl=first)
         finally:
             await stream.aclose()
         await self._reply(reply_key, Reply(ReplyKind.END, usage=usage, started_ms=started_ms,
@@ -237,45 +324,3 @@ class WorkerLoop:
     def _ended_without_reply(self, outcome: str) -> None:
         if self.metrics is not None:
             self.metrics.ended_without_reply(outcome)
-
-    # -- presence and cancellation ------------------------------------------------------------
-
-    async def _heartbeat(self) -> None:
-        pool = contract.pool_key(self.info.model)
-        worker = contract.worker_key(self.info.worker_id)
-        while True:
-            self.info.inflight = len(self.inflight)
-            self.info.extra["engine_unfinished"] = self.engine.unfinished_requests()
-            now = now_ms()
-            try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.hset(worker, mapping=self.info.to_fields())
-                    pipe.expire(worker, int(contract.WORKER_TTL_S * 2))
-                    pipe.zadd(pool, {self.info.worker_id: now})
-                    pipe.zremrangebyscore(pool, "-inf", now - int(contract.WORKER_TTL_S * 4000))
-                    pipe.sadd(contract.POOLS_KEY, self.info.model)
-                    await pipe.execute()
-            except (ConnectionError, OSError, aioredis.RedisError):
-                log.warning("heartbeat failed; retrying", exc_info=True)
-            await asyncio.sleep(contract.HEARTBEAT_INTERVAL_S)
-
-    async def _deregister(self) -> None:
-        with contextlib.suppress(Exception):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.zrem(contract.pool_key(self.info.model), self.info.worker_id)
-                pipe.delete(contract.worker_key(self.info.worker_id))
-                await pipe.execute()
-
-    async def _listen_cancels(self) -> None:
-        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-        await pubsub.subscribe(contract.CANCEL_CHANNEL)
-        try:
-            async for message in pubsub.listen():
-                request_id = message["data"].decode() if isinstance(message["data"], bytes) else message["data"]
-                task = self.inflight.get(request_id)
-                if task is not None:
-                    log.info("aborting %s: its client went away", request_id)
-                    task.cancel()
-        finally:
-            with contextlib.suppress(Exception):
-                await pubsub.aclose()

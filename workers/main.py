@@ -13,21 +13,23 @@ from flatfare.redis_conn import connect
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
-from flatfare.contract import WorkerInfo
+from flatfare.contract import WorkerInfo, WorkerState, pool_name
 from flatfare.logs import configure_logging, dict_config
 from flatfare.storage.db import create_engine, session_factory
 from flatfare.storage.models import CatalogModel
 from workers.engine import Engine, engine_argv
 from workers.instant import InstantEngine
-from workers.loop import EngineLike, WorkerLoop, now_ms
+from workers.loop import EngineLike, WorkerLoop
+from workers.presence import Presence, now_ms
 from workers.metrics import WorkerMetrics
 from workers.prepare import resolve_source
 from workers.settings import WorkerSettings
 
 log = logging.getLogger("flatfare.worker")
 
-# Options every Flatfare worker gets unless the catalog or the command line says otherwise.
-_BASE_OPTIONS: dict[str, Any] = {"disable_log_stats": True}
+# Options every Flatfare worker gets unless the catalog or the command line says otherwise:
+# priority scheduling, so the premium lane's requests also win inside the running batch.
+_BASE_OPTIONS: dict[str, Any] = {"disable_log_stats": True, "scheduling_policy": "priority"}
 
 
 class WorkerError(Exception):
@@ -67,8 +69,11 @@ async def build_engine(settings: WorkerSettings, progress: Callable[[str], None]
     """The model's name and its started engine."""
     if settings.engine == "instant":
         progress(f"BENCHMARK ENGINE: '{settings.model}' answers with {settings.instant_tokens} filler tokens")
-        return settings.model, InstantEngine(settings.instant_tokens, settings.max_inflight or 1024,
-                                             settings.instant_first_token_delay_s)
+        engine = InstantEngine(settings.instant_tokens, settings.max_inflight or 1024,
+                               settings.instant_first_token_delay_s, settings.instant_token_delay_s,
+                               settings.instant_start_delay_s)
+        await engine.start()
+        return settings.model, engine
     spec = await load_spec(settings)
     progress(f"preparing model {spec.name}")
     model_path = await asyncio.to_thread(resolve_source, spec.source, settings.models_dir, progress)
@@ -80,16 +85,27 @@ async def build_engine(settings: WorkerSettings, progress: Callable[[str], None]
 
 
 async def serve(settings: WorkerSettings, progress: Callable[[str], None] = log.info) -> None:
-    model, engine = await build_engine(settings, progress)
+    redis = connect(settings.redis_url)
+    # Announced as "starting" while the engine loads, so /v1/models can say so.
+    info = WorkerInfo(worker_id=settings.worker_id, model=settings.model, max_model_len=0, capacity=0,
+                      pool=pool_name(settings.model, settings.pool or None), started_ms=now_ms(),
+                      engine=settings.engine, state=WorkerState.STARTING)
+    presence = Presence(redis, info)
+    presence.start()
+    try:
+        model, engine = await build_engine(settings, progress)
+    except BaseException:
+        await presence.stop()
+        await redis.aclose()
+        raise
     capacity = settings.max_inflight or engine.max_num_seqs
-    info = WorkerInfo(worker_id=settings.worker_id, model=model, max_model_len=engine.max_model_len,
-                      capacity=capacity, started_ms=now_ms(), engine=settings.engine)
+    info.max_model_len, info.capacity = engine.max_model_len, capacity
     metrics = WorkerMetrics(model)
     if settings.metrics_port >= 0:
         info.extra["metrics_port"] = metrics.serve(settings.metrics_host, settings.metrics_port)
         progress(f"metrics on http://{settings.metrics_host}:{info.extra['metrics_port']}/metrics")
-    redis = connect(settings.redis_url)
-    loop = WorkerLoop(redis, engine, info, drain_timeout_s=settings.drain_timeout_s, metrics=metrics)
+    loop = WorkerLoop(redis, engine, info, drain_timeout_s=settings.drain_timeout_s, metrics=metrics,
+                      lease_s=settings.job_lease_s, presence=presence)
     metrics.watch(lambda: len(loop.inflight), capacity, lambda: loop.draining)
     running = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

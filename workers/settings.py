@@ -18,12 +18,17 @@ def _default_worker_id() -> str:
 
 class WorkerSettings(CommonSettings):
     model: str = DEFAULT_MODEL
+    # A dedicated pool (an enterprise account's): the worker serves the model as model@pool.
+    pool: str = ""
     # "vllm", or "instant": the benchmark/test engine that answers at once with no model.
     engine: Literal["vllm", "instant"] = "vllm"
     # Tokens the instant engine streams per request.
     instant_tokens: int = 16
-    # Seconds the instant engine waits before its first token (tests of failures before it).
+    # Seconds the instant engine waits before its first token, between tokens, and before it is
+    # ready: tests use them to catch a request or a worker in a given state.
     instant_first_token_delay_s: float = 0.0
+    instant_token_delay_s: float = 0.0
+    instant_start_delay_s: float = 0.0
     worker_id: str = Field(default_factory=_default_worker_id)
     # Where the model comes from when the catalog has no entry for it (a folder or hub id).
     source: str = ""
@@ -31,8 +36,10 @@ class WorkerSettings(CommonSettings):
     engine_options: dict[str, object] = Field(default_factory=dict)
     # Jobs held at once; 0 means the engine's batch capacity (max_num_seqs).
     max_inflight: int = 0
-    # On SIGTERM, how long running jobs may take to finish before they are abandoned.
+    # On SIGTERM, how long running jobs may take to finish before they are handed back.
     drain_timeout_s: float = 30.0
+    # A job this worker holds but stops renewing (it died) is taken over after this long.
+    job_lease_s: float = 15.0
     # Prometheus /metrics of this worker. Port 0: any free port (logged, and announced in the worker's
     # heartbeat as extra.metrics_port), so several workers on one host never clash; -1: off.
     # Containers set a fixed port (deploy/ uses 9400) and host 0.0.0.0.

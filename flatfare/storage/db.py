@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from sqlalchemy import event
@@ -58,10 +59,17 @@ def alembic_config(url: str):  # noqa: ANN201 - alembic is imported lazily
 
 
 def migrate(url: str, revision: str = "head") -> None:
-    """Apply migrations up to ``revision`` (blocking; runs its own event loop)."""
+    """Apply migrations up to ``revision`` (blocking; alembic runs its own event loop, so from
+    inside a running loop it runs in a thread of its own)."""
     from alembic import command
 
-    command.upgrade(alembic_config(url), revision)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        command.upgrade(alembic_config(url), revision)
+        return
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pool.submit(command.upgrade, alembic_config(url), revision).result()
 
 
 async def migrate_async(url: str, revision: str = "head") -> None:

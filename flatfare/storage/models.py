@@ -9,14 +9,13 @@ from typing import Any
 from sqlalchemy import JSON, BigInteger, Boolean, DateTime, ForeignKey, Index, Integer, String, UniqueConstraint, func
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from flatfare.contract import Lane
+
+__all__ = ["Lane"]  # plans name their lane with the contract's enum
+
 
 class Base(DeclarativeBase):
     type_annotation_map = {dict[str, Any]: JSON, list[str]: JSON}
-
-
-class Lane(StrEnum):
-    STANDARD = "standard"
-    PREMIUM = "premium"
 
 
 class AccountStatus(StrEnum):

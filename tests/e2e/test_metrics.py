@@ -148,8 +148,9 @@ def test_counters_move_with_real_requests_through_two_gateway_processes(mstack: 
         - value(wk_before, "flatfare_worker_jobs_total", model=MODEL, outcome="succeeded") == total
     assert value(wk, "flatfare_worker_output_tokens_total", model=MODEL) \
         - value(wk_before, "flatfare_worker_output_tokens_total", model=MODEL) == total * TOKENS
-    assert value(wk, "flatfare_worker_queue_wait_seconds_count", model=MODEL, lane="standard") \
-        - value(wk_before, "flatfare_worker_queue_wait_seconds_count", model=MODEL, lane="standard") == total
+    for lane, jobs in (("standard", sent["pro"] + 1), ("premium", sent["premium"])):  # each plan's lane
+        assert value(wk, "flatfare_worker_queue_wait_seconds_count", model=MODEL, lane=lane) \
+            - value(wk_before, "flatfare_worker_queue_wait_seconds_count", model=MODEL, lane=lane) == jobs
     assert value(wk, "flatfare_worker_capacity", model=MODEL) > 0
     assert value(wk, "flatfare_worker_inflight_jobs", model=MODEL) == 0
     assert value(wk, "flatfare_worker_draining", model=MODEL) == 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from flatfare import contract
-from flatfare.contract import Endpoint, Job, Reply, ReplyKind, Usage, WorkerInfo
+from flatfare.contract import Endpoint, Job, Lane, Reply, ReplyKind, Usage, WorkerInfo, WorkerState
 
 
 def _as_redis(fields: dict[str, str]) -> dict[bytes, bytes]:
@@ -11,8 +11,10 @@ def _as_redis(fields: dict[str, str]) -> dict[bytes, bytes]:
 
 
 def test_job_round_trip() -> None:
-    job = Job(request_id="abc", endpoint=Endpoint.CHAT, body='{"model": "m"}', enqueued_ms=123, priority=2)
+    job = Job(request_id="abc", endpoint=Endpoint.CHAT, body='{"model": "m"}', enqueued_ms=123, lane=Lane.PREMIUM,
+              deadline_ms=456, prefix="ab12")
     assert Job.from_fields(_as_redis(job.to_fields())) == job
+    assert job.priority < Job("x", Endpoint.CHAT, "{}", 0).priority  # premium runs first in the engine
 
 
 def test_reply_round_trip_keeps_usage_and_timings() -> None:
@@ -28,11 +30,19 @@ def test_only_chunks_are_not_terminal() -> None:
 
 
 def test_worker_info_round_trip() -> None:
-    info = WorkerInfo("w1", "m", 2048, 64, inflight=3, started_ms=5, extra={"engine_unfinished": 2})
+    info = WorkerInfo("w1", "m", 2048, 64, inflight=3, pool="m@acme", started_ms=5, state=WorkerState.DRAINING,
+                      extra={"engine_unfinished": 2})
     assert WorkerInfo.from_fields(_as_redis(info.to_fields())) == info
 
 
 def test_key_names_are_namespaced_and_distinct() -> None:
-    keys = {contract.job_stream("m"), contract.reply_stream("m"), contract.cancel_key("m"),
-            contract.pool_key("m"), contract.worker_key("m"), contract.POOLS_KEY, contract.CANCEL_CHANNEL}
-    assert len(keys) == 7 and all(k.startswith("ff:") for k in keys)
+    keys = {contract.job_stream("m", Lane.PREMIUM), contract.job_stream("m", Lane.STANDARD),
+            contract.worker_stream("m", "w"), contract.reply_stream("m"), contract.cancel_key("m"),
+            contract.pool_key("m"), contract.worker_key("m"), contract.drained_key("m", Lane.PREMIUM),
+            contract.prefix_key("m", "h"), contract.POOLS_KEY, contract.CANCEL_CHANNEL}
+    assert len(keys) == 11 and all(k.startswith("ff:") for k in keys)
+
+
+def test_dedicated_pools_name_their_model() -> None:
+    assert contract.pool_name("m") == "m" and contract.pool_name("m", "acme") == "m@acme"
+    assert contract.model_of("m@acme") == "m"

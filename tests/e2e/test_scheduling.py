@@ -1,0 +1,256 @@
+"""Scheduling with real workers (the instant engine, slowed down): lanes, backpressure, deadlines,
+worker death, draining, warmth."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+
+import httpx
+import pytest
+import redis as redis_sync
+
+from billing.plans import quota_window
+from billing.quota import counter_key
+from flatfare import contract
+from flatfare.contract import Lane
+from tests.conftest import launch_stack
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "instant"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def _worker(stack, *args: str, **env: str) -> subprocess.Popen[bytes]:
+    log = (stack.logs / f"worker-{len(list(stack.logs.iterdir()))}.log").open("wb")
+    return subprocess.Popen([sys.executable, "-m", "flatfare", "worker", "--engine", "instant", "--model", MODEL,
+                             *args], env={**stack.env, **env}, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _key(stack, name: str, plan: str) -> str:
+    out = stack.cli("keys", "create", "--account", name, "--plan", plan)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def _redis(stack) -> redis_sync.Redis:
+    return redis_sync.Redis.from_url(stack.redis_url)
+
+
+def _live(stack) -> list[contract.WorkerInfo]:
+    client = _redis(stack)
+    try:
+        oldest = int(time.time() * 1000 - contract.WORKER_TTL_S * 1000)
+        ids = client.zrangebyscore(contract.pool_key(MODEL), oldest, "+inf")
+        infos = [client.hgetall(contract.worker_key(i.decode())) for i in ids]
+        return [contract.WorkerInfo.from_fields(f) for f in infos if f]
+    finally:
+        client.close()
+
+
+def _wait_warm(stack, process: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
+    """Until the worker ``process`` heartbeats as warm."""
+    deadline = time.monotonic() + timeout_s
+    while not any(f"-{process.pid}-" in w.worker_id and w.state == contract.WorkerState.WARM for w in _live(stack)):
+        assert time.monotonic() < deadline, "the worker never became warm"
+        time.sleep(0.1)
+
+
+async def _timed(client: httpx.AsyncClient, key: str, started: float, **extra) -> tuple[int, float, str]:
+    response = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, **extra},
+                                 headers={"Authorization": f"Bearer {key}"})
+    return response.status_code, time.monotonic() - started, response.headers.get("x-flatfare-queue-ms", "")
+
+
+@pytest.fixture(scope="module")
+def sstack(tmp_path_factory):
+    # One slow worker (capacity 2, 0.3 s per answer) so queues build up; lease 2 s for quick takeovers.
+    env = {"FLATFARE_INSTANT_FIRST_TOKEN_DELAY_S": "0.3", "FLATFARE_JOB_LEASE_S": "2",
+           "FLATFARE_MAX_QUEUE_DEPTH_STANDARD": "400", "FLATFARE_MAX_QUEUE_WAIT_S_STANDARD": "600"}
+    with launch_stack(tmp_path_factory.mktemp("sched"), model=MODEL,
+                      worker_args=("--engine", "instant", "--max-inflight", "2"), env=env) as stack:
+        stack.premium_key = _key(stack, "vip", "premium")
+        yield stack
+
+
+async def test_premium_flows_under_a_standard_flood_and_standard_still_progresses(sstack) -> None:
+    started = time.monotonic()
+    async with httpx.AsyncClient(base_url=sstack.base_url, timeout=120) as client:
+        flood = [asyncio.ensure_future(_timed(client, sstack.api_key, started)) for _ in range(30)]
+        await asyncio.sleep(1.0)  # the standard lane is now deep
+        vip = [asyncio.ensure_future(_timed(client, sstack.premium_key, started)) for _ in range(10)]
+        premium = await asyncio.gather(*vip)
+        standard = await asyncio.gather(*flood)
+    assert all(status == 200 for status, _, _ in premium + standard)
+    last_premium = max(t for _, t, _ in premium)
+    standard_done = sorted(t for _, t, _ in standard)
+    # Premium, sent a second after 30 standard requests, all finish before most of them ...
+    assert sum(t > last_premium for t in standard_done) >= 15
+    # ... while standard keeps its guaranteed share: some standard requests finish among them.
+    first_premium = min(t for _, t, _ in premium)
+    assert any(first_premium <= t <= last_premium for t in standard_done)
+    assert all(q.isdigit() for _, _, q in premium)
+
+
+async def test_a_full_lane_answers_429_at_once(tmp_path) -> None:
+    env = {"FLATFARE_INSTANT_FIRST_TOKEN_DELAY_S": "5", "FLATFARE_MAX_QUEUE_DEPTH_STANDARD": "3"}
+    with launch_stack(tmp_path, model=MODEL, worker_args=("--engine", "instant", "--max-inflight", "1"),
+                      env=env) as stack:
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
+            started = time.monotonic()
+            held = [asyncio.ensure_future(_timed(client, stack.api_key, started)) for _ in range(4)]
+            await asyncio.sleep(1.0)  # one running, three queued: the lane is full
+            t0 = time.monotonic()
+            refused = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES},
+                                        headers={"Authorization": f"Bearer {stack.api_key}"})
+            answered_in = time.monotonic() - t0
+            for task in held:
+                task.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
+        assert refused.status_code == 429 and answered_in < 1.0
+        assert refused.json()["error"]["code"] == "queue_full"
+        assert int(refused.headers["retry-after"]) >= 1
+
+
+async def test_an_expired_deadline_costs_nothing(sstack) -> None:
+    account_id = sstack.sql("SELECT id FROM accounts WHERE name = 'e2e'")[0][0]
+    day = quota_window("UTC", datetime.now(UTC)).day
+    client = _redis(sstack)
+    before = int(client.get(counter_key(account_id, day)) or 0)
+    async with httpx.AsyncClient(base_url=sstack.base_url, timeout=60) as http:
+        started = time.monotonic()
+        busy = [asyncio.ensure_future(_timed(http, sstack.api_key, started)) for _ in range(12)]
+        await asyncio.sleep(0.3)
+        late = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES},
+                               headers={"Authorization": f"Bearer {sstack.api_key}", "x-flatfare-max-queue-ms": "200"})
+        request_id = late.headers["x-request-id"]
+        await asyncio.gather(*busy)
+    assert late.status_code == 429 and late.json()["error"]["code"] == "queue_deadline_exceeded"
+    row = sstack.sql("SELECT status, billable FROM requests WHERE id = :id", id=request_id)
+    assert row == [("failed", False)]
+    assert int(client.get(counter_key(account_id, day)) or 0) == before + 12  # the late one gave its unit back
+    assert sstack.sql("SELECT count(*) FROM usage_outbox WHERE request_id = :id", id=request_id)[0][0] == 0
+    client.close()
+
+
+def test_bad_deadline_header_is_a_400(sstack) -> None:
+    response = httpx.post(f"{sstack.base_url}/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES},
+                          headers={"Authorization": f"Bearer {sstack.api_key}", "x-flatfare-max-queue-ms": "soon"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "x-flatfare-max-queue-ms"
+
+
+async def test_kill_9_mid_stream_loses_no_job_and_charges_once(tmp_path) -> None:
+    env = {"FLATFARE_INSTANT_TOKEN_DELAY_S": "0.2", "FLATFARE_JOB_LEASE_S": "2"}
+    with launch_stack(tmp_path, model=MODEL, worker_args=("--engine", "instant"), env=env) as stack:
+        survivor = _worker(stack)
+        _wait_warm(stack, survivor)
+        client = _redis(stack)
+        account_id = stack.sql("SELECT id FROM accounts WHERE name = 'e2e'")[0][0]
+        try:
+            async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as http:
+                async with http.stream("POST", "/v1/chat/completions",
+                                       headers={"Authorization": f"Bearer {stack.api_key}"},
+                                       json={"model": MODEL, "messages": MESSAGES, "stream": True}) as response:
+                    request_id = response.headers["x-request-id"]
+                    lines = response.aiter_lines()
+                    assert (await anext(lines)).startswith("data: {")
+                    held = client.xpending_range(contract.job_stream(MODEL, Lane.STANDARD), contract.POOL_GROUP,
+                                                 "-", "+", 10)
+                    holder = held[0]["consumer"].decode()
+                    os.kill(int(holder.split("-")[-2]), signal.SIGKILL)
+                    rest = [line async for line in lines if line]
+            # The survivor took the job over after its lease and failed it cleanly: part of the
+            # answer was already out, so running it again would have sent a second, different one.
+            assert rest[-1] == "data: [DONE]"
+            assert '"worker_lost"' in rest[-2]
+            rows = stack.sql("SELECT status, billable FROM requests WHERE id = :id", id=request_id)
+            assert len(rows) == 1  # one ledger row
+            day = quota_window("UTC", datetime.now(UTC)).day
+            assert int(client.get(counter_key(account_id, day)) or 0) == int(rows[0][1])  # charged at most once
+            assert stack.sql("SELECT count(*) FROM usage_outbox WHERE request_id = :id", id=request_id)[0][0] <= 1
+        finally:
+            survivor.kill()
+            survivor.wait()
+            client.close()
+
+
+async def test_a_job_whose_worker_died_before_its_first_token_is_run_again(sstack) -> None:
+    doomed = _worker(sstack, "--max-inflight", "8", FLATFARE_INSTANT_FIRST_TOKEN_DELAY_S="30")
+    _wait_warm(sstack, doomed)
+    client = _redis(sstack)
+    account_id = sstack.sql("SELECT id FROM accounts WHERE name = 'e2e'")[0][0]
+    day = quota_window("UTC", datetime.now(UTC)).day
+    try:
+        async with httpx.AsyncClient(base_url=sstack.base_url, timeout=60) as http:
+            started = time.monotonic()
+            tasks = [asyncio.ensure_future(_timed(http, sstack.api_key, started)) for _ in range(6)]
+            deadline = time.monotonic() + 10
+            while True:
+                held = client.xpending_range(contract.job_stream(MODEL, Lane.STANDARD), contract.POOL_GROUP,
+                                             "-", "+", 50)
+                if any(f"-{doomed.pid}-" in h["consumer"].decode() for h in held):
+                    break
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            before = int(client.get(counter_key(account_id, day)) or 0)
+            doomed.kill()
+            results = await asyncio.gather(*tasks)
+        assert [status for status, _, _ in results] == [200] * 6  # taken over, run again, answered
+        assert int(client.get(counter_key(account_id, day)) or 0) == before  # each counted once
+    finally:
+        doomed.kill()
+        doomed.wait()
+        client.close()
+
+
+async def test_sigterm_drains_cleanly(sstack) -> None:
+    draining = _worker(sstack, "--max-inflight", "4", FLATFARE_INSTANT_FIRST_TOKEN_DELAY_S="1.5")
+    _wait_warm(sstack, draining)
+    client = _redis(sstack)
+    try:
+        async with httpx.AsyncClient(base_url=sstack.base_url, timeout=60) as http:
+            started = time.monotonic()
+            tasks = [asyncio.ensure_future(_timed(http, sstack.api_key, started)) for _ in range(6)]
+            deadline = time.monotonic() + 10
+            while not any(f"-{draining.pid}-" in h["consumer"].decode() for h in client.xpending_range(
+                    contract.job_stream(MODEL, Lane.STANDARD), contract.POOL_GROUP, "-", "+", 50)):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            draining.send_signal(signal.SIGTERM)
+            results = await asyncio.gather(*tasks)
+        assert [status for status, _, _ in results] == [200] * 6
+        assert draining.wait(30) == 0
+        assert all(f"-{draining.pid}-" not in w.worker_id for w in _live(sstack))
+    finally:
+        if draining.poll() is None:
+            draining.kill()
+        client.close()
+
+
+def test_models_report_warmth(sstack) -> None:
+    auth = {"Authorization": f"Bearer {sstack.api_key}"}
+    cards = {m["id"]: m for m in httpx.get(f"{sstack.base_url}/v1/models", headers=auth).json()["data"]}
+    assert cards[MODEL]["state"] == "warm"
+    # The default model is pinned in the catalog but nothing serves it here.
+    assert cards["smollm2-135m-instruct"]["state"] == "unavailable"
+    starting = _worker(sstack, "--model", "instant-slow-start", FLATFARE_INSTANT_START_DELAY_S="30")
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            cards = {m["id"]: m for m in httpx.get(f"{sstack.base_url}/v1/models", headers=auth).json()["data"]}
+            if cards.get("instant-slow-start", {}).get("state") == "starting":
+                break
+            assert time.monotonic() < deadline, cards
+            time.sleep(0.2)
+        refused = httpx.post(f"{sstack.base_url}/v1/chat/completions", headers=auth,
+                             json={"model": "instant-slow-start", "messages": MESSAGES})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_unavailable"
+    finally:
+        starting.kill()
+        starting.wait()

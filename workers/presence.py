@@ -1,0 +1,88 @@
+"""A worker's presence in its pool: the heartbeat (from engine start-up on) and cancellations."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+
+from flatfare import contract
+from flatfare.contract import WorkerInfo, WorkerState
+
+log = logging.getLogger("flatfare.worker")
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Presence:
+    """Heartbeats ``info`` every second; ``refresh`` updates its live fields just before each beat."""
+
+    def __init__(self, redis: aioredis.Redis, info: WorkerInfo) -> None:
+        self.redis = redis
+        self.info = info
+        self.refresh: Callable[[WorkerInfo], None] = lambda _info: None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def pool(self) -> str:
+        return self.info.pool or self.info.model
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._beat(), name="heartbeat")
+
+    async def beat_now(self) -> None:
+        self.refresh(self.info)
+        now = now_ms()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(contract.worker_key(self.info.worker_id), mapping=self.info.to_fields())
+            pipe.expire(contract.worker_key(self.info.worker_id), int(contract.WORKER_TTL_S * 2))
+            pipe.zadd(contract.pool_key(self.pool), {self.info.worker_id: now})
+            pipe.zremrangebyscore(contract.pool_key(self.pool), "-inf", now - int(contract.WORKER_TTL_S * 4000))
+            pipe.sadd(contract.POOLS_KEY, self.pool)
+            await pipe.execute()
+
+    async def set_state(self, state: WorkerState) -> None:
+        self.info.state = state
+        with contextlib.suppress(aioredis.RedisError, OSError):
+            await self.beat_now()
+
+    async def _beat(self) -> None:
+        while True:
+            try:
+                await self.beat_now()
+            except (ConnectionError, OSError, aioredis.RedisError):
+                log.warning("heartbeat failed; retrying", exc_info=True)
+            await asyncio.sleep(contract.HEARTBEAT_INTERVAL_S)
+
+    async def live_workers(self) -> set[str]:
+        oldest = now_ms() - int(contract.WORKER_TTL_S * 1000)
+        return {w.decode() for w in await self.redis.zrangebyscore(contract.pool_key(self.pool), oldest, "+inf")}
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.zrem(contract.pool_key(self.pool), self.info.worker_id)
+                pipe.delete(contract.worker_key(self.info.worker_id))
+                await pipe.execute()
+
+
+async def listen_for_cancels(redis: aioredis.Redis, on_cancel: Callable[[str], None]) -> None:
+    """Call ``on_cancel(request_id)`` for every cancellation a gateway publishes."""
+    pubsub = redis.pubsub(ignore_subscribe_messages=True)
+    await pubsub.subscribe(contract.CANCEL_CHANNEL)
+    try:
+        async for message in pubsub.listen():
+            data = message["data"]
+            on_cancel(data.decode() if isinstance(data, bytes) else data)
+    finally:
+        with contextlib.suppress(Exception):
+            await pubsub.aclose()
