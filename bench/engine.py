@@ -85,10 +85,12 @@ def vllm_serve_argv(model_dir: Path, name: str, port: int, options: dict[str, An
 
 
 def loadgen(url: str, key: str, name: str, concurrency: int, requests: int, input_len: int, output_len: int,
-            seed: int) -> dict[str, Any]:
+            seed: int, watch: dict[str, int] | None = None) -> dict[str, Any]:
     argv = [sys.executable, "-m", "bench.loadgen", "--url", url, "--key", key, "--model", name,
             "-c", str(concurrency), "--requests", str(requests), "--stream", "--max-tokens", str(output_len),
             "--ignore-eos", "--prompt-tokens", str(input_len), "--seed", str(seed), "--timeout", "1800"]
+    for proc, pid in (watch or {}).items():
+        argv += ["--watch", f"{proc}={pid}"]
     done = subprocess.run(argv, capture_output=True, text=True, check=False, cwd=str(report.REPO_ROOT))
     if done.returncode != 0:
         raise RuntimeError(f"load generator failed: {done.stderr[-2000:]}")
@@ -107,6 +109,7 @@ def run_system(system: str, args: argparse.Namespace, workdir: Path, options: di
                 server = group.start(Service("vllm-serve", vllm_serve_argv(args.model_dir, args.name, port, options),
                                              workdir / f"vllm_serve_r{rnd}.log", env=env, cwd=str(report.REPO_ROOT)))
                 base, key = f"http://127.0.0.1:{port}", ""
+                watch = {"vllm": server.pid}
                 server.wait_ready(lambda: http_get(f"{base}/health")[0] == 200, args.ready_timeout)
             else:
                 stack = FlatfareStack(group, workdir / f"flatfare_r{rnd}", args.name,
@@ -114,8 +117,9 @@ def run_system(system: str, args: argparse.Namespace, workdir: Path, options: di
                                       extra_env=env, gateway_processes=args.gateway_processes)
                 stack.start_storage()
                 stack.start_worker(args.ready_timeout)
-                stack.start_gateway(120)
+                stack.start_gateway(args.ready_timeout)
                 base, key = stack.base_url, stack.key
+                watch = stack.pids()
             ready_s = time.monotonic() - started
             print(f"[engine] {system} ready in {ready_s:.0f} s", flush=True)
             url = base + "/v1/completions"
@@ -125,8 +129,11 @@ def run_system(system: str, args: argparse.Namespace, workdir: Path, options: di
             for conc in args.concurrency:
                 # A fresh seed per (round, concurrency): no prompt repeats across runs on one server.
                 seed = 1000 * rnd + conc + (0 if system == "vllm" else 500)
-                result = loadgen(url, key, args.name, conc, plan[conc], args.input_len, args.output_len, seed)
+                result = loadgen(url, key, args.name, conc, plan[conc], args.input_len, args.output_len, seed, watch)
                 result.update(system=system, round=rnd, ready_s=round(ready_s, 1))
+                # Cores each server process tree kept busy during the run (vLLM's CPU engine polls: ~all).
+                for proc in watch:
+                    result[f"{proc}_cores"] = round(result[f"{proc}_cpu_s"] / result["elapsed_s"], 2)
                 points.append(result)
                 print(f"[engine] round {rnd} {system:8s} c={conc:3d} {result['req_per_s']:7.2f} req/s "
                       f"{result['output_tok_per_s']:8.1f} tok/s TTFT p50 {result['ttft_p50_ms']} ms "

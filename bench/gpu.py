@@ -115,7 +115,12 @@ def report_results(paths: list[Path], out: Path) -> int:
             tag = points_file.name.removeprefix("engine_").removesuffix("_points.json")
             shape = tag.split("-")[1]  # gpu-8b-r2 -> 8b
             points = json.loads(points_file.read_text())
-            session = tag.removeprefix(f"gpu-{shape}") or "-r1"
+            failed = [p for p in points if not p["completed"]]
+            if failed:  # a system that never answered (see its logs), not a zero-throughput measurement
+                print(f"[gpu] {points_file.name}: dropping {len(failed)} runs of "
+                      f"{sorted({p['system'] for p in failed})} that completed no request")
+                points = [p for p in points if p["completed"]]
+            session = tag.removeprefix(f"gpu-{shape}") or "-s1"
             for p in points:
                 p["round"] = f"{session.lstrip('-')}.{p['round']}"
             by_shape.setdefault(shape, []).extend(points)
@@ -142,7 +147,7 @@ def report_results(paths: list[Path], out: Path) -> int:
                     'CUDA graphs, prefix caching, chunked prefill)',
                     "input / output tokens": "512 / 128 (ignore_eos, random token ids, fresh per run)",
                     "concurrency: requests": "1: 10, 16: 96, 64: 500, 256: 500",
-                    "rounds (device call.round)": ", ".join(rounds), "client": "bench.loadgen, streaming "
+                    "runs (device session.round)": ", ".join(rounds), "client": "bench.loadgen, streaming "
                     "/v1/completions, on the device", "gateway processes": 1, "results from": ", ".join(sources[shape])}
         engine.write_results(out, f"gpu-{shape}", f"GPU {shape.upper()}: Flatfare against vllm serve on an H200",
                              points, device_info, settings)

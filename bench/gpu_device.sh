@@ -31,6 +31,7 @@ setup() {
   # A wrapper, so only redis-server sees the carried libraries (liblzf, libjemalloc).
   printf '#!/bin/sh\nLD_LIBRARY_PATH=%s/lib exec %s/lib/redis-server.bin "$@"\n' "$FFSITE" "$FFSITE" > "$FFSITE/bin/redis-server"
   chmod +x "$FFSITE/bin/redis-server" "$FFSITE/lib/redis-server.bin"
+  cp "$ROOT/bench/device_sitecustomize.py" "$FFSITE/sitecustomize.py"  # vLLM 0.26 shim, see the file
   env_flatfare
   redis-server --version
   python3 -c 'import flatfare.cli, gateway.app, workers.main, workers.engine, bench.engine, sqlalchemy, redis, alembic, orjson, pydantic_settings; print("[gpu_device] flatfare imports ok")'
@@ -44,6 +45,7 @@ run() {
   mkdir -p "$dir"
   local order=(vllm flatfare)
   [ "${ORDER:-}" = "flatfare-first" ] && order=(flatfare vllm)
+  [ -n "${SYSTEMS:-}" ] && read -r -a order <<< "$SYSTEMS"
   python3 -m bench engine --model-dir "/tmp/m$shape" --name "llama-$shape" \
     --engine-options '{"load_format": "dummy"}' --concurrency 1 16 64 256 --requests ${REQUESTS:-10 96 500 500} \
     --input-len 512 --output-len 128 --rounds "$rounds" --systems "${order[@]}" \

@@ -75,13 +75,15 @@ class Service:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def wait_ready(self, probe: Callable[[], bool], timeout_s: float) -> float:
-        """Poll ``probe`` until it says yes; the seconds it took. Fails if the child exits or time runs out."""
+    def wait_ready(self, probe: Callable[[], bool], timeout_s: float, needs: Sequence[Service] = ()) -> float:
+        """Poll ``probe`` until it says yes; the seconds it took. Fails if the child (or one it ``needs``)
+        exits, or time runs out."""
         started = time.monotonic()
         while True:
-            if not self.alive():
-                raise RuntimeError(f"{self.name} exited while starting; last lines of {self.log_path}:\n"
-                                   + tail(self.log_path))
+            for service in (self, *needs):
+                if not service.alive():
+                    raise RuntimeError(f"{service.name} exited while starting; last lines of {service.log_path}:\n"
+                                       + tail(service.log_path))
             with contextlib.suppress(Exception):
                 if probe():
                     return time.monotonic() - started

@@ -68,6 +68,16 @@ def http_get(url: str, key: str = "", timeout_s: float = 3.0) -> tuple[int, byte
         return exc.code, exc.read()
 
 
+def http_post(url: str, key: str, body: dict, timeout_s: float = 30.0) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
 @dataclass
 class FlatfareStack:
     """Redis + SQLite + one worker + one gateway process under ``workdir``."""
@@ -148,10 +158,12 @@ class FlatfareStack:
             self.workdir / "gateway.log", env=self.env(), cwd=str(self.workdir)))
 
         def serves_model() -> bool:
-            status, body = http_get(f"{self.base_url}/v1/models", self.key)
-            return status == 200 and any(m["id"] == self.model for m in json.loads(body)["data"])
+            # Ready means a real request gets an answer: a worker may heartbeat while its engine loads.
+            status, _ = http_post(f"{self.base_url}/v1/completions", self.key,
+                                  {"model": self.model, "prompt": "Hi", "max_tokens": 1})
+            return status == 200
 
-        return self.gateway.wait_ready(serves_model, ready_timeout_s)
+        return self.gateway.wait_ready(serves_model, ready_timeout_s, [self.worker] if self.worker else [])
 
     def pids(self) -> dict[str, int]:
         found: dict[str, int] = {}
