@@ -11,6 +11,7 @@ COMMANDS = {
     "engine": ("bench.engine", "Flatfare vs `vllm serve`, same model and engine options, on this CPU (~10 min)"),
     "gpu": ("bench.gpu", "the same comparison on the lent H200: prepare, device driver, report"),
     "profile": ("bench.profile", "py-spy profiles of the gateway and worker under the overhead load (~1 min)"),
+    "scheduling": ("bench.scheduling", "premium vs standard TTFT at 2x overload; prefix routing vs sharing (~10 min)"),
 }
 
 

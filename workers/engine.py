@@ -65,6 +65,29 @@ def engine_argv(model_path: str, served_name: str, options: dict[str, Any]) -> l
     return argv
 
 
+def gpus_needed(options: dict[str, Any]) -> int:
+    """GPUs one engine spans: tensor parallel × pipeline parallel."""
+    return int(options.get("tensor_parallel_size") or 1) * int(options.get("pipeline_parallel_size") or 1)
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_gpus(options: dict[str, Any], visible: int | None = None) -> None:
+    """Refuse, before loading anything, an engine that needs more GPUs than this worker can see."""
+    needed = gpus_needed(options)
+    if needed <= 1:
+        return
+    visible = visible_gpus() if visible is None else visible
+    if visible < needed:
+        raise EngineError(f"tensor_parallel_size x pipeline_parallel_size = {needed} needs {needed} GPUs, but "
+                          f"{visible} are visible to this worker; give it more (CUDA_VISIBLE_DEVICES, the "
+                          "container's GPU reservation) or lower tensor_parallel_size")
+
+
 def vllm_version() -> str:
     import vllm
 

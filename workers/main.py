@@ -17,7 +17,7 @@ from flatfare.contract import WorkerInfo, WorkerState, pool_name
 from flatfare.logs import configure_logging, dict_config
 from flatfare.storage.db import create_engine, session_factory
 from flatfare.storage.models import CatalogModel
-from workers.engine import Engine, engine_argv
+from workers.engine import Engine, EngineError, check_gpus, engine_argv
 from workers.instant import InstantEngine
 from workers.loop import EngineLike, WorkerLoop
 from workers.presence import Presence, now_ms
@@ -75,6 +75,10 @@ async def build_engine(settings: WorkerSettings, progress: Callable[[str], None]
         await engine.start()
         return settings.model, engine
     spec = await load_spec(settings)
+    try:
+        check_gpus(spec.options)
+    except EngineError as exc:
+        raise WorkerError(str(exc)) from exc
     progress(f"preparing model {spec.name}")
     model_path = await asyncio.to_thread(resolve_source, spec.source, settings.models_dir, progress)
     progress(f"starting the engine for {spec.name}")

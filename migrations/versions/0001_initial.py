@@ -119,7 +119,9 @@ def upgrade() -> None:
             {
                 "name": "smollm2-135m-instruct",
                 "source": "builtin:smollm2-135m-instruct",
-                "engine_options": {"dtype": "bfloat16", "max_model_len": 2048},
+                # float32: the default model runs on CPUs, where bf16 without AVX-512 BF16 is emulated
+                # (measured here: a 716-token prefill took 19.3 s in bf16, 4.4 s in float32).
+                "engine_options": {"dtype": "float32", "max_model_len": 2048},
                 "enabled": True,
                 "pinned": True,
                 "min_workers": 1,

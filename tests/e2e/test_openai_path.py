@@ -207,7 +207,9 @@ async def test_client_disconnect_mid_stream_frees_the_engine_slot(stack, aclient
         seen += 1
         if seen == 5:
             break
-    busy = [w for w in _workers(stack) if w.inflight]
+    deadline = time.monotonic() + 5  # the heartbeat reports inflight jobs once a second
+    while not (busy := [w for w in _workers(stack) if w.inflight]) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
     await stream.close()
     assert busy, "the request should have been running when the client left"
     deadline = time.monotonic() + 15

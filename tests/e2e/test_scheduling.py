@@ -254,3 +254,56 @@ def test_models_report_warmth(sstack) -> None:
     finally:
         starting.kill()
         starting.wait()
+
+
+def test_requests_sharing_a_long_prefix_go_to_the_worker_that_served_it(sstack) -> None:
+    other = _worker(sstack, "--max-inflight", "8")
+    _wait_warm(sstack, other)
+    client = _redis(sstack)
+    system = {"role": "system", "content": "You answer questions about this contract. " + "clause " * 200}
+    try:
+        first = httpx.post(f"{sstack.base_url}/v1/chat/completions", headers={"Authorization": f"Bearer {sstack.api_key}"},
+                           json={"model": MODEL, "messages": [system, {"role": "user", "content": "q0"}]}, timeout=30)
+        assert first.status_code == 200
+        owners = [k for k in client.scan_iter(match=contract.prefix_key(MODEL, "*"))]
+        assert len(owners) == 1
+        owner = client.get(owners[0]).decode()
+        own_stream = contract.worker_stream(MODEL, owner)
+        before = client.xinfo_stream(own_stream)["entries-added"] if client.exists(own_stream) else 0
+        for i in range(1, 5):
+            response = httpx.post(f"{sstack.base_url}/v1/chat/completions", timeout=30,
+                                  headers={"Authorization": f"Bearer {sstack.api_key}"},
+                                  json={"model": MODEL, "messages": [system, {"role": "user", "content": f"q{i}"}]})
+            assert response.status_code == 200
+        # Routed to the owner's own stream while it had room (the heartbeat refreshes its free slots).
+        assert client.xinfo_stream(own_stream)["entries-added"] - before >= 3
+        assert client.get(owners[0]).decode() == owner
+    finally:
+        other.kill()
+        other.wait()
+        client.close()
+
+
+def test_an_enterprise_account_uses_its_dedicated_pool(sstack) -> None:
+    key = _key(sstack, "acme-corp", "enterprise")
+    sstack.sql("UPDATE accounts SET dedicated_pool = 'acme' WHERE name = 'acme-corp'")
+    dedicated = _worker(sstack, "--pool", "acme")
+    client = _redis(sstack)
+    try:
+        deadline = time.monotonic() + 30
+        while not client.zcard(contract.pool_key(contract.pool_name(MODEL, "acme"))):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(1.2)  # warm heartbeat, and the gateway's auth cache
+        response = httpx.post(f"{sstack.base_url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                              json={"model": MODEL, "messages": MESSAGES}, timeout=30)
+        assert response.status_code == 200
+        drained = client.get(contract.drained_key(contract.pool_name(MODEL, "acme"), Lane.PREMIUM))
+        assert int(drained or 0) == 1  # taken from the dedicated pool's premium lane
+        # The dedicated pool is not listed to other accounts.
+        listed = httpx.get(f"{sstack.base_url}/v1/models", headers={"Authorization": f"Bearer {sstack.api_key}"})
+        assert all("@" not in m["id"] for m in listed.json()["data"])
+    finally:
+        dedicated.kill()
+        dedicated.wait()
+        client.close()
