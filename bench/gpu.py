@@ -74,20 +74,25 @@ def prepare() -> int:
 
 
 PLAN = """\
-Device calls (the `run` tool), back to back; each ~'carry' stays under 64 MiB with the working tree.
-Build the vLLM payload once first: shared/device/prepare_vllm_payload.sh .gpu_vllm (copy shared/device/*
-to .gpu_tools/ as its README says), then `python -m bench gpu prepare`.
+Device calls (the `run` tool), back to back (an idle machine is given back after ~30 s, /tmp with it);
+each call's carried folders plus the working tree stay under 64 MiB. First, here: build the vLLM
+payload (shared/device/prepare_vllm_payload.sh .gpu_vllm, with shared/device/* copied to .gpu_tools/
+as its README says) and run `python -m bench gpu prepare`.
 
 1. command: bash .gpu_tools/device_setup.sh stash .gpu_vllm/part1
    carry: [".gpu_vllm/part1", ".gpu_tools"]                         timeout_s: 120
-2. command: set -o pipefail; bash .gpu_tools/device_setup.sh install .gpu_vllm/part2 > $OUT/setup.log 2>&1 || { tail -20 $OUT/setup.log; exit 1; };
-            bash bench/gpu_device.sh setup && bash bench/gpu_device.sh run 8b 1 $OUT/gpu_8b
-   carry: [".gpu_vllm/part2", ".gpu_tools", ".gpu_wheels"]          timeout_s: 600
-3. command: ORDER=flatfare-first TAG_SUFFIX=-r2 bash bench/gpu_device.sh run 8b 1 $OUT/gpu_8b_r2
+2. command: set -o pipefail; bash .gpu_tools/device_setup.sh install .gpu_vllm/part2 > $OUT/setup.log 2>&1 \
+              || { tail -20 $OUT/setup.log; exit 1; }; bash bench/gpu_device.sh setup && \
+              ORDER=flatfare-first TAG_SUFFIX=-s2 timeout 560 bash bench/gpu_device.sh run 8b 1 $OUT/gpu_8b_s2
+   carry: [".gpu_vllm/part2", ".gpu_tools", ".gpu_wheels"]          timeout_s: 600   (~6 min: 8B, both systems)
+3. (optional, same machine) the 1B shape, which is CPU-bound when served, with repeats:
+   command: timeout 560 bash bench/gpu_device.sh run 1b 2 $OUT/gpu_1b
    carry: [".gpu_tools", ".gpu_wheels"]                              timeout_s: 600
-4. command: bash bench/gpu_device.sh run 1b 2 $OUT/gpu_1b
-   carry: [".gpu_tools", ".gpu_wheels"]                              timeout_s: 600
-Then: python -m bench gpu report <files_at>/gpu_8b.tgz <files_at>/gpu_8b_r2.tgz <files_at>/gpu_1b.tgz
+   Environment knobs of gpu_device.sh run: ORDER=flatfare-first, SYSTEMS="flatfare", TAG_SUFFIX=-x,
+   REQUESTS="10 96 500 500", GATEWAY_PROCESSES=N, ENGINE_OPTIONS='{"load_format": "dummy",
+   "max_num_batched_tokens": 8192, "max_num_seqs": 1024}' (vllm serve's own defaults on an H200, given
+   to both: what the embedded worker gets once it asks for the API server's defaults).
+Then: python -m bench gpu report <files_at>/gpu_8b_s2.tgz [more .tgz ...]
 """
 
 

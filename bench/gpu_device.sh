@@ -43,11 +43,12 @@ run() {
   [ -f "/tmp/m$shape/config.json" ] || python3 "$ROOT/.gpu_tools/vllm_bench.py" make-model --shape "$shape" \
     --out "/tmp/m$shape" --no-weights > /dev/null
   mkdir -p "$dir"
-  local order=(vllm flatfare)
+  local order=(vllm flatfare) options=${ENGINE_OPTIONS:-}
+  [ -n "$options" ] || options='{"load_format": "dummy"}'  # both systems get exactly these
   [ "${ORDER:-}" = "flatfare-first" ] && order=(flatfare vllm)
   [ -n "${SYSTEMS:-}" ] && read -r -a order <<< "$SYSTEMS"
   python3 -m bench engine --model-dir "/tmp/m$shape" --name "llama-$shape" \
-    --engine-options '{"load_format": "dummy"}' --concurrency 1 16 64 256 --requests ${REQUESTS:-10 96 500 500} \
+    --engine-options "$options" --concurrency 1 16 64 256 --requests ${REQUESTS:-10 96 500 500} \
     --input-len 512 --output-len 128 --rounds "$rounds" --systems "${order[@]}" \
     --gateway-processes "${GATEWAY_PROCESSES:-1}" --tag "gpu-$shape${TAG_SUFFIX:-}" --out "$dir" \
     --ready-timeout 400 || say "bench.engine failed (rc $?)"

@@ -95,7 +95,7 @@ def _summarize(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rows.append({
             "target": target, "stream": stream, "concurrency": conc, "runs": len(runs),
             "req_per_s": med("req_per_s"), "latency_p50_ms": med("latency_p50_ms"),
-            "latency_p99_ms": med("latency_p99_ms"),
+            "latency_p99_ms": med("latency_p99_ms"), "ttft_p50_ms": med("ttft_p50_ms"),
             "proxy_cpu_ms_per_req": None if target == "direct" or proxy_cpu is None else proxy_cpu * 1000,
             "path_cpu_ms_per_req": None if path_cpu is None else path_cpu * 1000,
             "client_cpu_ms_per_req": None if client_cpu is None else client_cpu * 1000,
@@ -116,7 +116,7 @@ def _summarize(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 COLUMNS = ["target", "stream", "concurrency", "runs", "req_per_s", "req_per_s_per_proxy_core",
            "req_per_s_per_path_core", "latency_p50_ms", "latency_p99_ms", "added_p50_ms", "added_p99_ms",
-           "proxy_cpu_ms_per_req", "path_cpu_ms_per_req", "client_cpu_ms_per_req", "errors"]
+           "ttft_p50_ms", "proxy_cpu_ms_per_req", "path_cpu_ms_per_req", "client_cpu_ms_per_req", "errors"]
 
 
 def write_results(out: Path, points: list[dict[str, Any]], info: dict[str, str], settings: dict[str, Any]) -> None:
@@ -125,7 +125,8 @@ def write_results(out: Path, points: list[dict[str, Any]], info: dict[str, str],
     report.write_csv(out / "overhead_runs.csv", sorted({k for p in points for k in p}),
                      [[p.get(k) for k in sorted({k for p in points for k in p})] for p in points])
     short = ["target", "stream", "concurrency", "req_per_s", "req_per_s_per_proxy_core", "req_per_s_per_path_core",
-             "latency_p50_ms", "latency_p99_ms", "added_p50_ms", "added_p99_ms", "client_cpu_ms_per_req"]
+             "latency_p50_ms", "latency_p99_ms", "added_p50_ms", "added_p99_ms", "ttft_p50_ms", "proxy_cpu_ms_per_req",
+             "client_cpu_ms_per_req"]
     table = report.markdown_table(short, [[r[c] for c in short] for r in rows])
     by = {(r["target"], r["stream"], r["concurrency"]): r for r in rows}
     ratio_rows = []
@@ -173,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.concurrency, args.rounds, args.duration, args.warmup = [1, 32], 1, 2.0, 0.5
     proxy_cpus, rest_cpus = placement(args.no_pin)
+    load_before = report.load_average()
     if not args.no_litellm:
         litellm_proxy.ensure_venv()
     points: list[dict[str, Any]] = []
@@ -228,7 +230,8 @@ def run(args: argparse.Namespace) -> int:
                 if proxy_cpus else "not pinned",
                 "flatfare": "1 gateway process (uvicorn), 1 worker --engine instant, private redis-server, SQLite"
                 + (" (flatfare-pg: the same on a temporary PostgreSQL database)" if args.postgres else ""),
-                "litellm": "1 proxy worker, master key, global_max_parallel_requests 10000, deployment rpm 1e7"}
+                "litellm": "1 proxy worker, master key, global_max_parallel_requests 10000, deployment rpm 1e7",
+                "load average before / after": f"{load_before} / {report.load_average()}"}
     write_results(args.out, points, info, settings)
     (args.out / "raw").mkdir(parents=True, exist_ok=True)
     (args.out / "raw" / "overhead_points.json").write_text(json.dumps(points, indent=1))

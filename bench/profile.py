@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.duration = 5.0
     proxy_cpus, rest_cpus = overhead.placement(False)
+    load_before = report.load_average()
     sections = []
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ff-bench-profile-") as tmp, services() as group:
@@ -149,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
             stack.stop()
     settings = {"concurrency": args.concurrency, "seconds per mode": args.duration, "py-spy rate": args.rate,
                 "py-spy": "record --nonblocking --format raw (idle samples excluded)",
-                "placement": f"gateway on CPU {proxy_cpus}, the rest on CPU {rest_cpus}" if proxy_cpus else "not pinned"}
+                "placement": f"gateway on CPU {proxy_cpus}, the rest on CPU {rest_cpus}" if proxy_cpus else "not pinned",
+                "load average before / after": f"{load_before} / {report.load_average()}"}
     report.write_markdown(args.out / "profile.md", "Profile: gateway and worker under the overhead load",
                           __doc__.split("\n\n", 1)[1], report.machine(), settings, sections)
     print(f"[profile] wrote {args.out / 'profile.md'}")

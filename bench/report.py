@@ -61,6 +61,14 @@ def machine(extra_versions: dict[str, str] | None = None) -> dict[str, str]:
     return info
 
 
+def load_average() -> str:
+    """The 1/5/15-minute load averages: a busy neighbour on these 2-core VMs shows here."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
+
+
 def median(values: Iterable[float | None]) -> float | None:
     kept = [v for v in values if v is not None]
     return statistics.median(kept) if kept else None
