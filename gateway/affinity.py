@@ -1,5 +1,6 @@
 """Prefix-aware routing: send requests that share a long prompt prefix to the worker that served it
-recently, so vLLM's prefix cache hits; fall back to the shared lane when that worker is busy.
+recently, so vLLM's prefix cache hits; fall back to the shared lane when that worker is busy (full,
+or holding ``BUSY_MARGIN`` more jobs than the least-loaded worker of the pool).
 
 The prefix is what requests of one application share: every chat message but the last (system
 prompt, documents, earlier turns), or the head of a completion prompt. Only prefixes of at least
@@ -19,6 +20,10 @@ from flatfare.contract import Endpoint, WorkerInfo
 
 MIN_PREFIX_CHARS = 512
 COMPLETION_PREFIX_CHARS = 2048
+# The owner of a prefix is "busy" when it holds this many more jobs than the least-loaded worker:
+# a cache hit is not worth queueing behind a hot spot (capacity alone says little on CPUs, whose
+# engines accept many sequences but run them slowly).
+BUSY_MARGIN = 2
 
 
 def prefix_hash(endpoint: Endpoint, body: dict[str, Any]) -> str:
@@ -40,14 +45,15 @@ class PrefixRouter:
         self.enabled = enabled
 
     async def target(self, model: str, prefix: str, workers: tuple[WorkerInfo, ...]) -> str | None:
-        """The stream of the worker that last served ``prefix``, if it is live and has room."""
-        if not self.enabled or not prefix:
+        """The stream of the worker that last served ``prefix``, if it is live and not busy."""
+        if not self.enabled or not prefix or not workers:
             return None
         owner = await self._redis.get(contract.prefix_key(model, prefix))
         if owner is None:
             return None
         owner_id = owner.decode()
+        least_loaded = min(w.inflight for w in workers)
         for worker in workers:
-            if worker.worker_id == owner_id and worker.free > 0:
+            if worker.worker_id == owner_id and worker.free > 0 and worker.inflight <= least_loaded + BUSY_MARGIN:
                 return contract.worker_stream(model, owner_id)
         return None

@@ -22,6 +22,7 @@ from flatfare.logs import bind, prompts_enabled
 from workers.claims import Claimed, Claimer
 from workers.metrics import WorkerMetrics
 from workers.presence import Presence, listen_for_cancels, now_ms
+from workers.replies import ReplyWriter
 
 log = logging.getLogger("flatfare.worker")
 
@@ -69,6 +70,7 @@ class WorkerLoop:
         self.lease_ms = int(lease_s * 1000)
         self.pool = info.pool or info.model
         self.claimer = Claimer(redis, self.pool, info.worker_id)
+        self.replies = ReplyWriter(redis)
         self.presence = presence or Presence(redis, info)
         self.metrics = metrics
         self.inflight: dict[str, asyncio.Task[None]] = {}
@@ -82,6 +84,7 @@ class WorkerLoop:
 
     async def run(self) -> None:
         await self.claimer.setup()
+        self.replies.start()
         self.presence.refresh = self._refresh
         if self.presence._task is None:
             self.presence.start()
@@ -97,6 +100,7 @@ class WorkerLoop:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
+            await self.replies.stop()
             await self.presence.stop()
 
     @property
@@ -313,12 +317,11 @@ class WorkerLoop:
                                            first_token_ms=first_token_ms))
 
     async def _reply(self, reply_key: str, reply: Reply, *, set_ttl: bool = True) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xadd(reply_key, reply.to_fields())
-            if set_ttl:
-                pipe.expire(reply_key, contract.REPLY_TTL_S)
-            await pipe.execute()
-        if reply.kind.terminal and self.metrics is not None:
+        if not reply.kind.terminal:  # chunks go out with the next batch, in order
+            self.replies.send(reply_key, reply, set_ttl=set_ttl)
+            return
+        await self.replies.send_and_wait(reply_key, reply, set_ttl=set_ttl)
+        if self.metrics is not None:
             self.metrics.replied(reply)
 
     def _ended_without_reply(self, outcome: str) -> None:
