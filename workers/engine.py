@@ -118,6 +118,7 @@ class Engine:
         from starlette.datastructures import State
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.utils.argparse_utils import FlexibleArgumentParser
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         make_arg_parser = _first_attr([
@@ -147,7 +148,11 @@ class Engine:
         stat_loggers = None
         if self._engine_metrics:
             stat_loggers = [_first_attr([("vllm.v1.metrics.loggers", "PrometheusStatLogger")])]
-        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args), stat_loggers=stat_loggers)
+        # The API server's usage context: vLLM sizes the scheduler by it (on an H200,
+        # max_num_batched_tokens 8192 and max_num_seqs 1024 instead of 2048 and 128), so the worker
+        # batches exactly like `vllm serve` with the same options.
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args),
+                                              usage_context=UsageContext.OPENAI_API_SERVER, stat_loggers=stat_loggers)
         state = State()
         await init_app_state(self._llm, state, args, await self._llm.get_supported_tasks())
         self._chat = state.openai_serving_chat
