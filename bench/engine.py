@@ -220,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
         args.concurrency, args.rounds, args.output_len = [1, 4], 1, 16
     plan = requests_for(args.concurrency, args.requests)
     load_before = report.load_average()
+    report.mark_start()
     options = json.loads(args.engine_options)
     if args.model_dir is None:
         args.model_dir = default_model_dir()

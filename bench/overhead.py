@@ -175,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         args.concurrency, args.rounds, args.duration, args.warmup = [1, 32], 1, 2.0, 0.5
     proxy_cpus, rest_cpus = placement(args.no_pin)
     load_before = report.load_average()
+    report.mark_start()
     if not args.no_litellm:
         litellm_proxy.ensure_venv()
     points: list[dict[str, Any]] = []

@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--duration", type=float, default=20.0, help="seconds sampled per mode")
     parser.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
+    parser.add_argument("--postgres", metavar="SERVER_URL", default="",
+                        help="run the ledger on a temporary PostgreSQL database instead of SQLite")
     parser.add_argument("--quick", action="store_true", help="5 s per mode")
     parser.add_argument("--out", type=Path, default=report.RESULTS_DIR)
 
@@ -104,13 +106,16 @@ def run(args: argparse.Namespace) -> int:
         args.duration = 5.0
     proxy_cpus, rest_cpus = overhead.placement(False)
     load_before = report.load_average()
+    report.mark_start()
+    suffix = "_pg" if args.postgres else ""
     sections = []
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ff-bench-profile-") as tmp, services() as group:
         workdir = Path(tmp)
         stack = FlatfareStack(group, workdir / "flatfare", overhead.MODEL, ["--engine", "instant"],
                               extra_env={"FLATFARE_INSTANT_TOKENS": str(overhead.TOKENS)},
-                              gateway_cpus=proxy_cpus, worker_cpus=rest_cpus, redis_cpus=rest_cpus)
+                              gateway_cpus=proxy_cpus, worker_cpus=rest_cpus, redis_cpus=rest_cpus,
+                              postgres_server=args.postgres)
         try:
             stack.start_storage()
             stack.start_worker(60)
@@ -119,11 +124,14 @@ def run(args: argparse.Namespace) -> int:
             for stream in (False, True):
                 tag = "stream" if stream else "nonstream"
                 spies = {}
-                for name, pid in (("gateway", stack.gateway.pid), ("worker", stack.worker.pid)):  # type: ignore[union-attr]
+                # "gateway-gil" samples only the thread holding the GIL: the gateway's Python CPU. The plain
+                # samplers see every active thread, including ones blocked inside C (SQLite's lock waits).
+                for name, pid, extra in (("gateway", stack.gateway.pid, []), ("gateway-gil", stack.gateway.pid, ["--gil"]),  # type: ignore[union-attr]
+                                         ("worker", stack.worker.pid, [])):  # type: ignore[union-attr]
                     raw = workdir / f"{name}_{tag}.txt"
                     spies[name] = (raw, subprocess.Popen(
                         [py_spy, "record", "--pid", str(pid), "--rate", str(args.rate), "--format", "raw",
-                         "--nonblocking", "--duration", str(int(args.duration)), "--output", str(raw)],
+                         "--nonblocking", "--duration", str(int(args.duration)), "--output", str(raw), *extra],
                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
                 time.sleep(0.5)
                 result = overhead.loadgen(url, stack.key, args.concurrency, stream, args.duration, 0.0,
@@ -131,14 +139,14 @@ def run(args: argparse.Namespace) -> int:
                 for name, (raw, spy) in spies.items():
                     spy.wait(timeout=60)
                     collapsed = raw.read_text() if raw.exists() else ""
-                    with gzip.open(args.out / f"profile_{name}_{tag}.txt.gz", "wt") as handle:
+                    with gzip.open(args.out / f"profile{suffix}_{name}_{tag}.txt.gz", "wt") as handle:
                         handle.write(collapsed)
                     total, own, incl, pkgs = analyse(collapsed)
                     if not total:
                         sections.append((f"{name}, {tag}", "no samples (py-spy failed: "
                                          f"{spy.stderr.read().decode()[-300:] if spy.stderr else ''})"))
                         continue
-                    cpu = result.get(f"{name}_cpu_s")
+                    cpu = result.get(f"{name.removesuffix('-gil')}_cpu_s")
                     head = (f"{total} samples; load: {result['req_per_s']:.0f} req/s at concurrency "
                             f"{args.concurrency}; {name} CPU {cpu} s in {result['elapsed_s']} s "
                             f"({1000 * cpu / max(result['completed'], 1):.2f} ms a request).")
@@ -152,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
                 "py-spy": "record --nonblocking --format raw (idle samples excluded)",
                 "placement": f"gateway on CPU {proxy_cpus}, the rest on CPU {rest_cpus}" if proxy_cpus else "not pinned",
                 "load average before / after": f"{load_before} / {report.load_average()}"}
-    report.write_markdown(args.out / "profile.md", "Profile: gateway and worker under the overhead load",
+    settings["ledger database"] = "PostgreSQL (temporary database)" if args.postgres else "SQLite file"
+    report.write_markdown(args.out / f"profile{suffix}.md", "Profile: gateway and worker under the overhead load",
                           __doc__.split("\n\n", 1)[1], report.machine(), settings, sections)
-    print(f"[profile] wrote {args.out / 'profile.md'}")
+    print(f"[profile] wrote {args.out / f'profile{suffix}.md'}")
     return 0

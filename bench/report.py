@@ -46,6 +46,14 @@ def _git_commit() -> str:
     return f"{head} + uncommitted changes" if dirty else head
 
 
+_COMMIT_AT_START: list[str] = []
+
+
+def mark_start() -> None:
+    """Remember the commit measured: a run takes minutes, and commits may land meanwhile."""
+    _COMMIT_AT_START[:] = [_git_commit()]
+
+
 def machine(extra_versions: dict[str, str] | None = None) -> dict[str, str]:
     info = {
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -53,7 +61,7 @@ def machine(extra_versions: dict[str, str] | None = None) -> dict[str, str]:
         "memory": f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB",
         "os": f"{platform.system()} {platform.release()}",
         "python": platform.python_version(),
-        "flatfare commit": _git_commit(),
+        "flatfare commit": (f"{_COMMIT_AT_START[0]} at the start" if _COMMIT_AT_START else _git_commit()),
     }
     for dist in ("fastapi", "uvicorn", "redis", "sqlalchemy", "aiohttp"):
         info[dist] = _version(dist)
