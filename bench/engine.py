@@ -139,7 +139,8 @@ def run_system(system: str, args: argparse.Namespace, workdir: Path, options: di
                 points.append(result)
                 print(f"[engine] round {rnd} {system:8s} c={conc:3d} {result['req_per_s']:7.2f} req/s "
                       f"{result['output_tok_per_s']:8.1f} tok/s TTFT p50 {result['ttft_p50_ms']} ms "
-                      f"ITL p50 {result['itl_p50_ms']} ms errors {result['errors']}", flush=True)
+                      f"ITL p50 {result['itl_p50_ms']} ms errors {result['errors']} unfinished {result['unfinished']}",
+                      flush=True)
         finally:
             if stack is not None:
                 stack.stop()

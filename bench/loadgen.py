@@ -145,6 +145,7 @@ async def run(plan: Plan, concurrency: int, duration_s: float | None, requests: 
     measuring = asyncio.Event()
     stop_at = float("inf")
     remaining = requests if requests is not None else -1
+    counts = {"started": 0, "late": 0}  # counted requests begun, and those that ended after the window
     rng = random.Random(plan.seed)
 
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -158,6 +159,7 @@ async def run(plan: Plan, concurrency: int, duration_s: float | None, requests: 
                         return
                     remaining -= 1
                 counted = measuring.is_set()
+                counts["started"] += counted
                 payload = plan.body(rng)
                 try:
                     sample = await _one(session, plan, payload, headers)
@@ -168,6 +170,8 @@ async def run(plan: Plan, concurrency: int, duration_s: float | None, requests: 
                     continue
                 if counted and time.perf_counter() <= stop_at:
                     samples.append(sample)
+                elif counted:
+                    counts["late"] += 1
 
         tasks = [asyncio.create_task(client()) for _ in range(concurrency)]
         if warmup_s:
@@ -207,6 +211,9 @@ async def run(plan: Plan, concurrency: int, duration_s: float | None, requests: 
         "completed": len(samples),
         "errors": len(errors),
         "first_errors": errors[:3],
+        # Begun in the window and still without an answer when the load generator gave up on them:
+        # a stalled system shows here, not as an error.
+        "unfinished": counts["started"] - len(samples) - len(errors) - counts["late"],
         "elapsed_s": round(elapsed, 3),
         "req_per_s": round(len(samples) / elapsed, 3) if elapsed else 0.0,
         "output_tokens": out_tokens,

@@ -99,7 +99,7 @@ def _summarize(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "proxy_cpu_ms_per_req": None if target == "direct" or proxy_cpu is None else proxy_cpu * 1000,
             "path_cpu_ms_per_req": None if path_cpu is None else path_cpu * 1000,
             "client_cpu_ms_per_req": None if client_cpu is None else client_cpu * 1000,
-            "errors": sum(r["errors"] for r in runs),
+            "errors": sum(r["errors"] + r.get("unfinished", 0) for r in runs),
         })
     direct = {(r["stream"], r["concurrency"]): r for r in rows if r["target"] == "direct"}
     for row in rows:
@@ -147,7 +147,8 @@ Columns: `req_per_s` is wall-clock throughput; `req_per_s_per_proxy_core` is req
 of the proxy process alone (Flatfare's gateway; LiteLLM's proxy); `req_per_s_per_path_core` counts the
 whole path's CPU (Flatfare: gateway + worker + Redis; LiteLLM: proxy + upstream). `added_*` is the
 proxied latency minus the direct latency at the same concurrency (medians over rounds, in ms).
-`client_cpu_ms_per_req` is the load generator's own cost.
+`client_cpu_ms_per_req` is the load generator's own cost; `errors` counts failed requests and requests left
+unanswered when the window closed.
 """, info, settings,
         [("Results (medians over rounds)", table), ("Flatfare / LiteLLM", ratios)])
     for stream in (False, True):
@@ -219,7 +220,8 @@ def run(args: argparse.Namespace) -> int:
                             points.append(result)
                             print(f"[overhead] round {rnd} {name:11s} stream={stream!s:5s} c={conc:3d} "
                                   f"{result['req_per_s']:8.1f} req/s p50 {result['latency_p50_ms']} ms "
-                                  f"p99 {result['latency_p99_ms']} ms errors {result['errors']}", flush=True)
+                                  f"p99 {result['latency_p99_ms']} ms errors {result['errors']} unfinished {result['unfinished']}",
+                                  flush=True)
         finally:
             for stack in stacks:
                 stack.stop()
