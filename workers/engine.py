@@ -192,7 +192,12 @@ class Engine:
 
     def unfinished_requests(self) -> int:
         """Requests the engine holds (running or waiting): what a freed slot is measured by."""
-        return 0 if self._llm is None else int(self._llm.get_num_unfinished_requests())
+        if self._llm is None:
+            return 0
+        # 0.32 has it on AsyncLLM; 0.26 only on its output processor.
+        counter = getattr(self._llm, "get_num_unfinished_requests", None) or \
+            self._llm.output_processor.get_num_unfinished_requests
+        return int(counter())
 
     @property
     def errored(self) -> bool:
