@@ -68,10 +68,6 @@ def pool_name(model: str, dedicated: str | None = None) -> str:
     return f"{model}@{dedicated}" if dedicated else model
 
 
-def model_of(pool: str) -> str:
-    return pool.split("@", 1)[0]
-
-
 def job_stream(model: str, lane: Lane = Lane.STANDARD) -> str:
     return f"{PREFIX}:jobs:{{{model}}}:{lane.value}"
 

@@ -88,12 +88,6 @@ def check_gpus(options: dict[str, Any], visible: int | None = None) -> None:
                           "container's GPU reservation) or lower tensor_parallel_size")
 
 
-def vllm_version() -> str:
-    import vllm
-
-    return vllm.__version__
-
-
 class Engine:
     """An ``AsyncLLM`` plus vLLM's OpenAI serving layer for one model."""
 

@@ -45,4 +45,3 @@ def test_key_names_are_namespaced_and_distinct() -> None:
 
 def test_dedicated_pools_name_their_model() -> None:
     assert contract.pool_name("m") == "m" and contract.pool_name("m", "acme") == "m@acme"
-    assert contract.model_of("m@acme") == "m"
