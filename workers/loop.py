@@ -241,6 +241,8 @@ class WorkerLoop:
                 await self._reply(reply_key, _error(502, "The worker running this request was lost in the "
                                                     "middle of its answer; retry it.", "worker_lost"))
                 return
+            if job.prefix:
+                await self._own_prefix(job.prefix)
             await self._run(job, reply_key, now_ms())
         except asyncio.CancelledError:
             # The client went away, or the drain timed out and the job is handed back: the engine
@@ -256,12 +258,15 @@ class WorkerLoop:
             if job.request_id not in self._handed_back:
                 await asyncio.shield(self._finish(stream, entry_id, job))
 
+    async def _own_prefix(self, prefix: str) -> None:
+        # Claimed before the engine runs, not after the answer: from its prefill on, this worker's
+        # prefix cache holds the prompt, and requests arriving meanwhile (or right after the answer
+        # reached the client) should be routed here.
+        with contextlib.suppress(aioredis.RedisError, OSError):
+            await self.redis.set(contract.prefix_key(self.pool, prefix), self.info.worker_id, ex=PREFIX_TTL_S)
+
     async def _finish(self, stream: str, entry_id: bytes, job: Job) -> None:
         await self._ack(stream, entry_id)
-        if job.prefix:  # this worker's prefix cache now holds it: route the next ones here
-            with contextlib.suppress(aioredis.RedisError, OSError):
-                await self.redis.set(contract.prefix_key(self.pool, job.prefix), self.info.worker_id,
-                                     ex=PREFIX_TTL_S)
 
     async def _run(self, job: Job, reply_key: str, started_ms: int) -> None:
         body = json.loads(job.body)
