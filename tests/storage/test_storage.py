@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime
 
 import pytest
 from alembic import command
 from sqlalchemy import func, select
 
-from billing.ledger import Ledger, Outcome
+from billing.ledger import Charge, DuplicateIdempotencyKey, Ledger, Outcome
 from flatfare.storage.accounts import AccountError, ensure_account, issue_key
 from flatfare.storage.db import alembic_config, create_engine, migrate, session_factory
 from flatfare.storage.keys import KEY_PREFIX, hash_key, looks_like_key
-from flatfare.storage.models import ApiKey, CatalogModel, Plan, RequestRecord, RequestStatus
+from flatfare.storage.models import ApiKey, CatalogModel, Plan, RequestRecord, RequestStatus, UsageOutbox
 
 
 @pytest.fixture
@@ -84,6 +85,59 @@ async def test_ledger_opens_and_closes_one_row(sessions) -> None:
     row = rows[0]
     assert (row.status, row.http_status, row.prompt_tokens, row.completion_tokens) == ("succeeded", 200, 12, 7)
     assert (row.queue_ms, row.ttft_ms, row.duration_ms) == (3, 40, 90)
+
+
+async def test_ledger_commits_concurrent_writes_together_and_exactly(sessions) -> None:
+    async with sessions() as session:
+        account = await ensure_account(session, "acme")
+        issued = await issue_key(session, account)
+        await session.commit()
+    ledger = Ledger(sessions)
+    charge = Charge(plan="pro", price_micros=2000, quota_day="2026-12-02")
+
+    async def one(i: int) -> None:
+        await ledger.open(request_id=f"r{i}", account_id=issued.account_id, api_key_id=issued.key_id, model="m",
+                          endpoint="chat", stream=False, created_at=datetime.now(UTC), charge=charge)
+        # Every third fails before its first token (not billable); each row gets a late duplicate close.
+        failed = i % 3 == 0
+        outcome = Outcome(RequestStatus.FAILED if failed else RequestStatus.SUCCEEDED, 500 if failed else 200,
+                          completion_tokens=0 if failed else i, billable=not failed)
+        await asyncio.gather(ledger.close(f"r{i}", outcome), ledger.close(f"r{i}", Outcome(RequestStatus.CANCELLED, 499)))
+
+    await asyncio.gather(*(one(i) for i in range(60)))
+    async with sessions() as session:
+        rows = {r.id: r for r in await session.scalars(select(RequestRecord))}
+        metered = set(await session.scalars(select(UsageOutbox.request_id)))
+    assert len(rows) == 60
+    for i in range(60):
+        row = rows[f"r{i}"]
+        if i % 3 == 0:
+            assert (row.status, row.http_status, row.billable) == ("failed", 500, False)
+        else:
+            assert (row.status, row.completion_tokens, row.billable) == ("succeeded", i, True)
+    # One meter event per billable request of a priced plan, none for the failed ones.
+    assert metered == {f"r{i}" for i in range(60) if i % 3}
+
+
+async def test_a_reused_idempotency_key_fails_only_its_own_write(sessions) -> None:
+    async with sessions() as session:
+        account = await ensure_account(session, "acme")
+        issued = await issue_key(session, account)
+        await session.commit()
+    ledger = Ledger(sessions)
+
+    async def open_(request_id: str, key: str | None) -> None:
+        await ledger.open(request_id=request_id, account_id=issued.account_id, api_key_id=issued.key_id, model="m",
+                          endpoint="chat", stream=False, created_at=datetime.now(UTC), idempotency_key=key)
+
+    # Opened together, so they share one transaction: the duplicate must not take the others down.
+    results = await asyncio.gather(open_("a", "order-1"), open_("b", "order-1"), open_("c", None), open_("d", "order-2"),
+                                   return_exceptions=True)
+    assert results[0] is None and isinstance(results[1], DuplicateIdempotencyKey)
+    assert results[2:] == [None, None]
+    async with sessions() as session:
+        ids = set(await session.scalars(select(RequestRecord.id)))
+    assert ids == {"a", "c", "d"}
 
 
 def test_downgrade_and_upgrade_again(database_url: str) -> None:
