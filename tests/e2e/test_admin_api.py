@@ -159,8 +159,9 @@ def test_a_model_added_through_the_api_appears_once_a_worker_serves_it(astack, a
                                "instant-2"], env=astack.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
-        while "instant-2" not in [m["id"] for m in httpx.get(f"{astack.base_url}/v1/models",
-                                                             headers=auth).json()["data"]]:
+        # Listed from the worker's first heartbeat on ("starting"); requests are taken once it is warm.
+        while {m["id"]: m["state"] for m in httpx.get(f"{astack.base_url}/v1/models",
+                                                      headers=auth).json()["data"]}.get("instant-2") != "warm":
             assert time.monotonic() < deadline, "the model never appeared"
             time.sleep(0.2)
         assert _chat(astack.base_url, astack.api_key, "instant-2").status_code == 200

@@ -87,6 +87,17 @@ def log_lines(path: Path) -> list[str]:
     return [line for line in path.read_text().splitlines() if line.strip()]
 
 
+def eventually(read, ready, timeout_s: float = 10):
+    """``read()`` once ``ready`` holds for it. What a request leaves behind is recorded a moment after its
+    answer went out: the gateway counts, times and logs it once its bookkeeping (a background task) is
+    done, and a worker counts a job and frees its slot after writing the reply."""
+    deadline = time.monotonic() + timeout_s
+    while not ready(result := read()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+    return result
+
+
 @pytest.fixture(scope="module")
 def mstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     env = {"FLATFARE_AUTH_CACHE_TTL_S": "0.1", "FLATFARE_PLANS_CACHE_TTL_S": "0.1"}
@@ -120,8 +131,12 @@ def test_counters_move_with_real_requests_through_two_gateway_processes(mstack: 
     wait_closed(mstack)
 
     # Each scrape may be answered by either gateway process: every one must show the sum of both.
+    answered = sum(sent.values()) + 3  # the limited key's 200 and 429, and the 401
     for _ in range(4):
-        gw = gateway_metrics(mstack)
+        # Wait until every request above, and the scrape before, has been recorded (see ``eventually``).
+        gw = eventually(lambda: gateway_metrics(mstack), lambda s: value(s, "flatfare_requests_in_progress") == 1
+                        and value(s, "flatfare_request_duration_seconds_count", route=CHAT)
+                        - value(gw_before, "flatfare_request_duration_seconds_count", route=CHAT) >= answered)
 
         def moved(name: str, **labels: str) -> float:
             return value(gw, name, **labels) - value(gw_before, name, **labels)
@@ -143,7 +158,8 @@ def test_counters_move_with_real_requests_through_two_gateway_processes(mstack: 
         assert moved("flatfare_output_tokens_total", model=MODEL, lane="premium") == sent["premium"] * TOKENS
         assert value(gw, "flatfare_requests_in_progress") == 1  # this scrape itself
 
-    wk = worker_metrics(mstack, MODEL)
+    wk = eventually(lambda: worker_metrics(mstack, MODEL),
+                    lambda s: value(s, "flatfare_worker_inflight_jobs", model=MODEL) == 0)
     assert value(wk, "flatfare_worker_jobs_total", model=MODEL, outcome="succeeded") \
         - value(wk_before, "flatfare_worker_jobs_total", model=MODEL, outcome="succeeded") == total
     assert value(wk, "flatfare_worker_output_tokens_total", model=MODEL) \
@@ -198,8 +214,9 @@ def test_logs_are_json_lines_with_request_fields_and_no_secrets(mstack: Stack) -
     assert response.status_code == 200
     request_id = response.headers["x-request-id"]
     wait_closed(mstack)
-    time.sleep(0.2)
-    gateway_log = log_lines(mstack.logs / "gateway.log")
+    # The request's line is written once its bookkeeping is done, after the answer went out.
+    gateway_log = eventually(lambda: log_lines(mstack.logs / "gateway.log"),
+                             lambda lines: any(request_id in line and '"route"' in line for line in lines))
     records = [json.loads(line) for line in gateway_log]  # every line is one JSON object
     mine = [r for r in records if r.get("request_id") == request_id]
     assert mine, "no log line names the request"
@@ -221,8 +238,12 @@ def test_vllm_engine_metrics_from_the_cpu_worker(stack: Stack) -> None:
     before = worker_metrics(stack, stack.model)
     reply = client.chat.completions.create(model=stack.model, messages=[{"role": "user", "content": "Say hi."}],
                                            max_tokens=8, temperature=0)
-    after = worker_metrics(stack, stack.model)
     labels = {"model_name": stack.model}
+    # The worker counts the job after writing its reply, and vLLM its tokens after handing them out.
+    after = eventually(lambda: worker_metrics(stack, stack.model), lambda s: all(
+        value(s, name, **match) - value(before, name, **match) >= reply.usage.completion_tokens
+        for name, match in (("vllm:generation_tokens_total", labels),
+                            ("flatfare_worker_output_tokens_total", {"model": stack.model}))))
     for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert series(after, gauge), f"{gauge} is not exported"
     assert value(after, "vllm:generation_tokens_total", **labels) \

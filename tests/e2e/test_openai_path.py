@@ -52,6 +52,14 @@ def _queue_is_empty(stack) -> bool:
         client.close()
 
 
+def _wait_queue_empty(stack, timeout_s: float = 10) -> None:
+    """Until every job is acknowledged: a worker acknowledges one only after its reply went out."""
+    deadline = time.monotonic() + timeout_s
+    while not _queue_is_empty(stack):
+        assert time.monotonic() < deadline, "jobs still queued or held"
+        time.sleep(0.1)
+
+
 def test_keys_create_prints_only_the_key(stack) -> None:
     out = stack.cli("keys", "create", "--account", "scripted")
     assert out.returncode == 0, out.stderr
@@ -141,6 +149,7 @@ def test_ledger_records_each_request(stack, client) -> None:
     ],
 )
 def test_bad_bodies_get_400_naming_the_param(stack, client, body, param) -> None:
+    _wait_queue_empty(stack)  # the job of the test before, acknowledged after its answer
     before = _ledger_count(stack)
     with pytest.raises(openai.BadRequestError) as caught:
         client.post("/chat/completions", body=body, cast_to=httpx.Response)
@@ -195,7 +204,7 @@ def test_prompt_longer_than_context_is_refused_by_the_engine_cleanly(stack, clie
         client.chat.completions.create(model="smollm2-135m-instruct",
                                        messages=[{"role": "user", "content": long_prompt}], max_tokens=10)
     assert caught.value.body["message"]
-    assert _queue_is_empty(stack)
+    _wait_queue_empty(stack)
 
 
 async def test_client_disconnect_mid_stream_frees_the_engine_slot(stack, aclient) -> None:
@@ -220,7 +229,10 @@ async def test_client_disconnect_mid_stream_frees_the_engine_slot(stack, aclient
         await asyncio.sleep(0.2)
     else:
         pytest.fail(f"engine slot still held after the client left: {workers}")
-    rows = stack.sql("SELECT status FROM requests ORDER BY created_at DESC LIMIT 1")
+    deadline = time.monotonic() + 10  # the gateway closes the row after it told the worker to stop
+    while (rows := stack.sql("SELECT status FROM requests ORDER BY created_at DESC LIMIT 1"))[0][0] == "queued":
+        assert time.monotonic() < deadline, "the ledger row was never closed"
+        await asyncio.sleep(0.1)
     assert rows[0][0] == "cancelled"
     assert _queue_is_empty(stack)
 
@@ -240,7 +252,7 @@ async def test_sixteen_concurrent_streams_all_complete(stack, aclient) -> None:
     results = await asyncio.gather(*(one(i) for i in range(16)))
     assert len(results) == 16
     assert all(text and finish == "length" for text, finish in results)
-    assert _queue_is_empty(stack)
+    _wait_queue_empty(stack)
 
 
 def test_health_and_readiness(stack) -> None:

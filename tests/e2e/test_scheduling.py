@@ -43,21 +43,22 @@ def _redis(stack) -> redis_sync.Redis:
     return redis_sync.Redis.from_url(stack.redis_url)
 
 
-def _live(stack) -> list[contract.WorkerInfo]:
+def _live(stack, pool: str = MODEL) -> list[contract.WorkerInfo]:
     client = _redis(stack)
     try:
         oldest = int(time.time() * 1000 - contract.WORKER_TTL_S * 1000)
-        ids = client.zrangebyscore(contract.pool_key(MODEL), oldest, "+inf")
+        ids = client.zrangebyscore(contract.pool_key(pool), oldest, "+inf")
         infos = [client.hgetall(contract.worker_key(i.decode())) for i in ids]
         return [contract.WorkerInfo.from_fields(f) for f in infos if f]
     finally:
         client.close()
 
 
-def _wait_warm(stack, process: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
-    """Until the worker ``process`` heartbeats as warm."""
+def _wait_warm(stack, process: subprocess.Popen[bytes], timeout_s: float = 30, pool: str = MODEL) -> None:
+    """Until the worker ``process`` heartbeats as warm (in ``pool``)."""
     deadline = time.monotonic() + timeout_s
-    while not any(f"-{process.pid}-" in w.worker_id and w.state == contract.WorkerState.WARM for w in _live(stack)):
+    while not any(f"-{process.pid}-" in w.worker_id and w.state == contract.WorkerState.WARM
+                  for w in _live(stack, pool)):
         assert time.monotonic() < deadline, "the worker never became warm"
         time.sleep(0.1)
 
@@ -105,7 +106,14 @@ async def test_a_full_lane_answers_429_at_once(tmp_path) -> None:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as client:
             started = time.monotonic()
             held = [asyncio.ensure_future(_timed(client, stack.api_key, started)) for _ in range(4)]
-            await asyncio.sleep(1.0)  # one running, three queued: the lane is full
+            lane = _redis(stack)
+            deadline = time.monotonic() + 30
+            # One running, three queued: the lane is full.
+            while not (lane.xlen(contract.job_stream(MODEL, Lane.STANDARD)) == 4 and lane.xpending(
+                    contract.job_stream(MODEL, Lane.STANDARD), contract.POOL_GROUP)["pending"] == 1):
+                assert time.monotonic() < deadline, "the four requests never filled the lane"
+                await asyncio.sleep(0.05)
+            lane.close()
             t0 = time.monotonic()
             refused = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES},
                                         headers={"Authorization": f"Bearer {stack.api_key}"})
@@ -126,7 +134,10 @@ async def test_an_expired_deadline_costs_nothing(sstack) -> None:
     async with httpx.AsyncClient(base_url=sstack.base_url, timeout=60) as http:
         started = time.monotonic()
         busy = [asyncio.ensure_future(_timed(http, sstack.api_key, started)) for _ in range(12)]
-        await asyncio.sleep(0.3)
+        deadline = time.monotonic() + 30
+        while int(client.get(counter_key(account_id, day)) or 0) < before + 12:  # all twelve admitted, ahead
+            assert time.monotonic() < deadline, "the busy requests were never admitted"
+            await asyncio.sleep(0.05)
         late = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES},
                                headers={"Authorization": f"Bearer {sstack.api_key}", "x-flatfare-max-queue-ms": "200"})
         request_id = late.headers["x-request-id"]
@@ -187,6 +198,9 @@ async def test_a_job_whose_worker_died_before_its_first_token_is_run_again(sstac
     account_id = sstack.sql("SELECT id FROM accounts WHERE name = 'e2e'")[0][0]
     day = quota_window("UTC", datetime.now(UTC)).day
     try:
+        # Read before the requests go out: when the doomed worker holds its first job, the others
+        # may not all have been admitted (counted) yet.
+        before = int(client.get(counter_key(account_id, day)) or 0)
         async with httpx.AsyncClient(base_url=sstack.base_url, timeout=60) as http:
             started = time.monotonic()
             tasks = [asyncio.ensure_future(_timed(http, sstack.api_key, started)) for _ in range(6)]
@@ -198,11 +212,10 @@ async def test_a_job_whose_worker_died_before_its_first_token_is_run_again(sstac
                     break
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.05)
-            before = int(client.get(counter_key(account_id, day)) or 0)
             doomed.kill()
             results = await asyncio.gather(*tasks)
         assert [status for status, _, _ in results] == [200] * 6  # taken over, run again, answered
-        assert int(client.get(counter_key(account_id, day)) or 0) == before  # each counted once
+        assert int(client.get(counter_key(account_id, day)) or 0) == before + 6  # each counted once
     finally:
         doomed.kill()
         doomed.wait()
@@ -290,11 +303,9 @@ def test_an_enterprise_account_uses_its_dedicated_pool(sstack) -> None:
     dedicated = _worker(sstack, "--pool", "acme")
     client = _redis(sstack)
     try:
-        deadline = time.monotonic() + 30
-        while not client.zcard(contract.pool_key(contract.pool_name(MODEL, "acme"))):
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        time.sleep(1.2)  # warm heartbeat, and the gateway's auth cache
+        # Warm in its pool (its first heartbeats say "starting"); the gateway has not looked this pool or
+        # this key up before, so no cache of it can be stale.
+        _wait_warm(sstack, dedicated, pool=contract.pool_name(MODEL, "acme"))
         response = httpx.post(f"{sstack.base_url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
                               json={"model": MODEL, "messages": MESSAGES}, timeout=30)
         assert response.status_code == 200
