@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+from async_lru import alru_cache
 from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -34,13 +34,23 @@ def _unauthorized(message: str) -> APIError:
     return APIError(401, message, code="invalid_api_key")
 
 
+# Distinct keys (or refusals) remembered at once; the least recently used go first.
+CACHE_SIZE = 100_000
+
+
+def by_hash(_key: str, key_hash: str) -> str:
+    return key_hash  # the cache holds hashes, never keys
+
+
 class Authenticator:
-    """Looks keys up by hash, caching each answer for ``ttl_s`` so a revocation lands within it."""
+    """Looks keys up by hash, caching each answer for ``ttl_s`` so a revocation lands within it.
+
+    Concurrent requests with one key share one lookup (async-lru), so an expiring entry costs one
+    query, not one per request in flight."""
 
     def __init__(self, sessions: async_sessionmaker[AsyncSession], ttl_s: float) -> None:
         self._sessions = sessions
-        self._ttl_s = ttl_s
-        self._cache: dict[str, tuple[float, Caller | APIError]] = {}
+        self._lookup = alru_cache(maxsize=CACHE_SIZE, ttl=ttl_s, key=by_hash)(self._read)
 
     async def authenticate(self, authorization: str | None) -> Caller:
         if not authorization:
@@ -49,20 +59,12 @@ class Authenticator:
         key = key.strip()
         if scheme.lower() != "bearer" or not looks_like_key(key):
             raise _unauthorized("Incorrect API key provided. Flatfare keys look like 'ff-' and 43 more characters.")
-        key_hash = hash_key(key)
-        now = time.monotonic()
-        cached = self._cache.get(key_hash)
-        if cached is None or cached[0] < now:
-            cached = (now + self._ttl_s, await self._lookup(key, key_hash))
-            if len(self._cache) > 100_000:
-                self._cache.clear()
-            self._cache[key_hash] = cached
-        outcome = cached[1]
+        outcome = await self._lookup(key, hash_key(key))
         if isinstance(outcome, APIError):
             raise outcome
         return outcome
 
-    async def _lookup(self, key: str, key_hash: str) -> Caller | APIError:
+    async def _read(self, key: str, key_hash: str) -> Caller | APIError:
         async with self._sessions() as session:
             row = (await session.execute(
                 select(ApiKey, Account).join(Account, Account.id == ApiKey.account_id)

@@ -40,11 +40,13 @@ def _too_large(limit: int) -> APIError:
                     code="request_too_large")
 
 
-def _service(request: Request) -> CompletionService:
+# Async on purpose: FastAPI runs a plain ``def`` dependency in its thread pool, a thread hop (and
+# an anyio cancel scope) on every request for a mere attribute read.
+async def _service(request: Request) -> CompletionService:
     return request.app.state.completions
 
 
-def _pools(request: Request) -> Pools:
+async def _pools(request: Request) -> Pools:
     return request.app.state.pools
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import time
 from datetime import datetime
 
+from async_lru import alru_cache
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -15,17 +15,12 @@ from flatfare.storage.models import Account, Plan
 class PlanBook:
     def __init__(self, sessions: async_sessionmaker[AsyncSession], ttl_s: float) -> None:
         self._sessions = sessions
-        self._ttl_s = ttl_s
-        self._plans: tuple[float, dict[str, PlanRules]] = (0.0, {})
+        # One read per ``ttl_s``, shared by every request in flight when it expires.
+        self.plans = alru_cache(maxsize=1, ttl=ttl_s)(self._read)
 
-    async def plans(self) -> dict[str, PlanRules]:
-        expires, plans = self._plans
-        if expires > time.monotonic():
-            return plans
+    async def _read(self) -> dict[str, PlanRules]:
         async with self._sessions() as session:
-            plans = {row.name: PlanRules.from_row(row) for row in await session.scalars(select(Plan))}
-        self._plans = (time.monotonic() + self._ttl_s, plans)
-        return plans
+            return {row.name: PlanRules.from_row(row) for row in await session.scalars(select(Plan))}
 
     async def terms(self, account: Account, now: datetime) -> AccountTerms:
         return account_terms(account, await self.plans(), now)

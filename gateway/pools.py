@@ -8,6 +8,7 @@ from datetime import datetime
 from enum import StrEnum
 
 import redis.asyncio as aioredis
+from async_lru import alru_cache
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
@@ -15,6 +16,9 @@ from flatfare import contract
 from flatfare.contract import WorkerInfo, WorkerState
 from flatfare.storage.models import CatalogModel
 from gateway.errors import APIError
+
+# Pools whose live workers are remembered at once (clients name models, so this is bounded).
+MAX_POOLS = 1024
 
 
 class ModelState(StrEnum):
@@ -55,28 +59,19 @@ class Pools:
     def __init__(self, redis: aioredis.Redis, sessions: async_sessionmaker[AsyncSession], ttl_s: float) -> None:
         self._redis = redis
         self._sessions = sessions
-        self._ttl_s = ttl_s
-        self._catalog: tuple[float, dict[str, CatalogEntry]] = (0.0, {})
-        self._live: dict[str, tuple[float, tuple[WorkerInfo, ...]]] = {}
+        # Read at most once per ``ttl_s`` (per pool), by one of the requests in flight then.
+        self.catalog = alru_cache(maxsize=1, ttl=ttl_s)(self._read_catalog)
+        self.live_workers = alru_cache(maxsize=MAX_POOLS, ttl=ttl_s)(self._read_live_workers)
 
-    async def catalog(self) -> dict[str, CatalogEntry]:
-        expires, entries = self._catalog
-        if expires > time.monotonic():
-            return entries
+    async def _read_catalog(self) -> dict[str, CatalogEntry]:
         async with self._sessions() as session:
             rows = (await session.scalars(select(CatalogModel))).all()
-        entries = {row.name: CatalogEntry(row.name, row.enabled, row.min_workers, _epoch(row.created_at),
-                                          frozenset(row.plans) if row.plans is not None else None,
-                                          expected=row.pinned or row.min_workers > 0)
-                   for row in rows}
-        self._catalog = (time.monotonic() + self._ttl_s, entries)
-        return entries
+        return {row.name: CatalogEntry(row.name, row.enabled, row.min_workers, _epoch(row.created_at),
+                                       frozenset(row.plans) if row.plans is not None else None,
+                                       expected=row.pinned or row.min_workers > 0)
+                for row in rows}
 
-    async def live_workers(self, model: str) -> tuple[WorkerInfo, ...]:
-        now = time.monotonic()
-        cached = self._live.get(model)
-        if cached is not None and cached[0] > now:
-            return cached[1]
+    async def _read_live_workers(self, model: str) -> tuple[WorkerInfo, ...]:
         oldest = int(time.time() * 1000 - contract.WORKER_TTL_S * 1000)
         ids = await self._redis.zrangebyscore(contract.pool_key(model), oldest, "+inf")
         workers: list[WorkerInfo] = []
@@ -87,9 +82,7 @@ class Pools:
                 for fields in await pipe.execute():
                     if fields:
                         workers.append(WorkerInfo.from_fields(fields))
-        live = tuple(workers)
-        self._live[model] = (now + self._ttl_s, live)
-        return live
+        return tuple(workers)
 
     async def warm_workers(self, pool: str) -> tuple[WorkerInfo, ...]:
         return tuple(w for w in await self.live_workers(pool) if w.state is WorkerState.WARM)

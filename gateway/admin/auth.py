@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated
 
+from async_lru import alru_cache
 from fastapi import Depends, Header, Request
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from flatfare.storage.keys import ADMIN_PREFIX, KEY_PREFIX, hash_key, hashes_match, looks_like_key
 from flatfare.storage.models import AdminToken
+from gateway.auth import CACHE_SIZE, by_hash
 from gateway.errors import APIError
 
 
@@ -31,8 +32,8 @@ class Admin:
 class AdminAuthenticator:
     def __init__(self, sessions: async_sessionmaker[AsyncSession], ttl_s: float) -> None:
         self._sessions = sessions
-        self._ttl_s = ttl_s
-        self._cache: dict[str, tuple[float, Admin | None]] = {}
+        # Bounded: refusals are cached too, and anyone can send made-up tokens.
+        self._lookup = alru_cache(maxsize=CACHE_SIZE, ttl=ttl_s, key=by_hash)(self._read)
 
     async def authenticate(self, authorization: str | None) -> Admin:
         if not authorization:
@@ -43,17 +44,12 @@ class AdminAuthenticator:
             raise APIError(403, "API keys cannot use the admin API; use an admin token.", code="api_key_not_allowed")
         if scheme.lower() != "bearer" or not looks_like_key(token, ADMIN_PREFIX):
             raise APIError(401, "Invalid admin token.", code="invalid_admin_token")
-        token_hash = hash_key(token)
-        now = time.monotonic()
-        cached = self._cache.get(token_hash)
-        if cached is None or cached[0] < now:
-            cached = (now + self._ttl_s, await self._lookup(token, token_hash))
-            self._cache[token_hash] = cached
-        if cached[1] is None:
+        admin = await self._lookup(token, hash_key(token))
+        if admin is None:
             raise APIError(401, "Invalid or revoked admin token.", code="invalid_admin_token")
-        return cached[1]
+        return admin
 
-    async def _lookup(self, token: str, token_hash: str) -> Admin | None:
+    async def _read(self, token: str, token_hash: str) -> Admin | None:
         async with self._sessions() as session:
             row = await session.scalar(select(AdminToken).where(AdminToken.token_hash == token_hash))
         if row is None or row.revoked_at is not None or not hashes_match(row.token_hash, token):
