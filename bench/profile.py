@@ -100,7 +100,7 @@ def _table(rows: list[tuple[str, int]], total: int) -> str:
 def run(args: argparse.Namespace) -> int:
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(py_spy).exists():
-        print("py-spy is missing: pip install -e '.[bench]'", file=sys.stderr)
+        print("py-spy is missing: scripts/install.sh bench", file=sys.stderr)
         return 2
     if args.quick:
         args.duration = 5.0

@@ -287,9 +287,10 @@ class CompletionService:
                      queued: Queued | None = None, deadline_ms: int = 0) -> Response:
         headers = {"x-request-id": admission.request_id}
         replies = self._dispatcher.replies(admission.request_id)
-        first = await self._first_reply(admission, replies, request, keep_reply, queued, deadline_ms)
-        if first is None:
+        batch = await self._first_reply(admission, replies, request, keep_reply, queued, deadline_ms)
+        if batch is None:
             return Response(status_code=CLIENT_CLOSED, headers=headers)
+        first = batch[0]
         if first.started_ms:
             headers["x-flatfare-queue-ms"] = str(max(first.started_ms - admission.created_ms, 0))
         if admission.owner and (first.kind is ReplyKind.CHUNK
@@ -297,12 +298,13 @@ class CompletionService:
             self._metrics.first_token(admission.model, admission.lane, (_now_ms() - admission.created_ms) / 1000)
         if first.kind.terminal:
             return self._whole(admission, first, headers, keep_reply)
-        return StreamingResponse(self._sse(admission, first, replies, keep_reply),
+        return StreamingResponse(self._sse(admission, batch, replies, keep_reply),
                                  media_type="text/event-stream", headers={**headers, **_SSE_HEADERS})
 
-    async def _first_reply(self, admission: Admission, replies: AsyncIterator[Reply], request: Request,
-                           keep_reply: bool, queued: Queued | None = None, deadline_ms: int = 0) -> Reply | None:
-        """The first reply, or None if the client left first (the job is then cancelled).
+    async def _first_reply(self, admission: Admission, replies: AsyncIterator[list[Reply]], request: Request,
+                           keep_reply: bool, queued: Queued | None = None,
+                           deadline_ms: int = 0) -> list[Reply] | None:
+        """The first batch of replies, or None if the client left first (the job is then cancelled).
 
         Past the client's queue deadline, a job no worker has taken yet is withdrawn: 429, free."""
         reading = asyncio.ensure_future(anext(replies))
@@ -348,20 +350,24 @@ class CompletionService:
         return Response(content=content, status_code=reply.status, media_type=media_type, headers=headers,
                         background=BackgroundTask(finish))
 
-    async def _sse(self, admission: Admission, first: Reply, replies: AsyncIterator[Reply],
+    async def _sse(self, admission: Admission, first: list[Reply], replies: AsyncIterator[list[Reply]],
                    keep_reply: bool) -> AsyncIterator[bytes]:
-        last = first
+        last = first[0]
         timed_out = False
         try:
-            yield _event(first.data)
-            async for reply in replies:
-                last = reply
-                if reply.kind is ReplyKind.CHUNK:
-                    yield _event(reply.data)
-                elif reply.kind is ReplyKind.ERROR:  # the worker failed mid-stream
-                    yield _event(reply.data) + _DONE
-                else:
-                    yield _DONE
+            batch: list[Reply] | None = first
+            while batch is not None:
+                events = []
+                for reply in batch:
+                    last = reply
+                    if reply.kind is ReplyKind.CHUNK:
+                        events.append(_event(reply.data))
+                    elif reply.kind is ReplyKind.ERROR:  # the worker failed mid-stream
+                        events.append(_event(reply.data) + _DONE)
+                    else:
+                        events.append(_DONE)
+                yield b"".join(events)  # what arrived together leaves in one write
+                batch = await anext(replies, None)
         except APIError as exc:  # no terminal reply before the deadline
             timed_out = True
             yield _event(orjson.dumps(error_body(exc.status, exc.message, code=exc.code)).decode()) + _DONE

@@ -25,8 +25,10 @@ class Dispatcher:
         self._redis = redis
         self._timeout_s = timeout_s
 
-    async def replies(self, request_id: str) -> AsyncIterator[Reply]:
-        """The request's replies in order, ending with its terminal one; 504 past the timeout."""
+    async def replies(self, request_id: str) -> AsyncIterator[list[Reply]]:
+        """The request's replies in order, in the batches one read returned (so a streamed answer's
+        chunks that arrived together go out in one write), ending with its terminal one; 504 past
+        the timeout."""
         key = contract.reply_stream(request_id)
         deadline = time.monotonic() + self._timeout_s
         last_id = "0-0"
@@ -36,12 +38,15 @@ class Dispatcher:
                 raise timed_out()
             result = await self._redis.xread({key: last_id}, count=256, block=min(left_ms, _BLOCK_MS))
             for _stream, entries in result or []:
+                batch: list[Reply] = []
                 for entry_id, fields in entries:
                     last_id = entry_id
-                    reply = Reply.from_fields(fields)
-                    yield reply
-                    if reply.kind.terminal:
+                    batch.append(Reply.from_fields(fields))
+                    if batch[-1].kind.terminal:
+                        yield batch
                         return
+                if batch:
+                    yield batch
 
     async def cancel(self, request_id: str) -> None:
         """Tell the pool the client went away: a queued job is skipped, a running one aborted."""
