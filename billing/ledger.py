@@ -57,7 +57,7 @@ MAX_BATCH = 256
 
 _OPEN = insert(_REQUESTS)
 _CLOSE = (update(_REQUESTS)
-          .where(_REQUESTS.c.id == bindparam("b_id"))
+          .where(_REQUESTS.c.id == bindparam("b_id"), _REQUESTS.c.status == RequestStatus.QUEUED.value)
           .values(status=bindparam("b_status"), http_status=bindparam("b_http_status"),
                   finished_at=bindparam("b_finished_at"), queue_ms=bindparam("b_queue_ms"),
                   ttft_ms=bindparam("b_ttft_ms"), duration_ms=bindparam("b_duration_ms"),

@@ -9,12 +9,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from flatfare.redis_conn import connect
+import uvloop
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
 from flatfare.contract import WorkerInfo, WorkerState, pool_name
 from flatfare.logs import configure_logging, dict_config
+from flatfare.redis_conn import connect
 from flatfare.storage.db import create_engine, session_factory
 from flatfare.storage.models import CatalogModel
 from workers.engine import Engine, EngineError, check_gpus, engine_argv
@@ -127,4 +128,6 @@ def main(settings: WorkerSettings) -> None:
     if not settings.redis_url:
         raise WorkerError("set FLATFARE_REDIS_URL: a worker needs the Redis its gateway uses")
     configure_logging(settings.log_level, settings.log_format, log_prompts=settings.log_prompts)
-    asyncio.run(serve(settings))
+    # uvloop, as in `vllm serve` and the gateway (uvicorn): the stdlib selector loop was half of the
+    # worker's CPU under load (bench/results/profile.md).
+    uvloop.run(serve(settings))
