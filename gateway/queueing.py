@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -41,27 +43,39 @@ class LaneLimits:
 
 
 class DrainRate:
-    """Jobs per second workers took from a lane, from the lane's drained counter, smoothed."""
+    """Jobs per second workers took from a lane while it was backlogged: a capacity measure.
 
-    def __init__(self, redis: aioredis.Redis, sample_every_s: float = 0.5) -> None:
+    Sampled from the lane's drained counter (at most every ``sample_every_s``) over the last
+    ``window_s``. Only a backlog says what the workers can do: a lane seen empty at an admission
+    forgets its samples, so an idle lane, or one whose jobs are claimed as they come (a slow engine
+    takes a batch, runs it for seconds, then takes the next), never bounds a burst by a rate that
+    measured demand instead of capacity. 0.0 means "not known": no bound from the rate."""
+
+    def __init__(self, redis: aioredis.Redis, window_s: float = 10.0, sample_every_s: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._redis = redis
+        self._window_s = window_s
         self._every = sample_every_s
-        self._samples: dict[str, tuple[float, int, float]] = {}  # key -> (when, count, rate)
+        self._clock = clock
+        self._samples: dict[str, deque[tuple[float, int]]] = {}  # key -> (when, drained count), oldest first
 
     async def rate(self, model: str, lane: Lane) -> float:
         key = contract.drained_key(model, lane)
-        now = time.monotonic()
-        last = self._samples.get(key)
-        if last is not None and now - last[0] < self._every:
-            return last[2]
-        count = int(await self._redis.get(key) or 0)
-        if last is None:
-            self._samples[key] = (now, count, 0.0)
+        samples = self._samples.setdefault(key, deque())
+        now = self._clock()
+        if not samples or now - samples[-1][0] >= self._every:
+            samples.append((now, int(await self._redis.get(key) or 0)))
+        while now - samples[0][0] > self._window_s:
+            samples.popleft()
+        (first, taken_then), (last, taken_now) = samples[0], samples[-1]
+        if last - first < self._window_s / 2:
             return 0.0
-        instant = max(count - last[1], 0) / max(now - last[0], 1e-3)
-        smoothed = instant if last[2] == 0 else 0.7 * last[2] + 0.3 * instant
-        self._samples[key] = (now, count, smoothed)
-        return smoothed
+        return max(taken_now - taken_then, 0) / (last - first)
+
+    def saw(self, model: str, lane: Lane, queued: int) -> None:
+        """An admission found ``queued`` jobs waiting on the lane; none: the backlog is over."""
+        if queued == 0:
+            self._samples.pop(contract.drained_key(model, lane), None)
 
 
 def retry_after(queued: int, rate: float) -> int:
@@ -99,6 +113,8 @@ class LaneQueue:
             max_depth = min(max_depth, max(1, int(rate * limits.max_wait_s)))
         target = stream or contract.job_stream(pool, job.lane)
         allowed, depth, *entry = await self._admit(keys=[target], args=[max_depth, contract.POOL_GROUP, *_flat(job)])
+        if stream is None:
+            self.drain.saw(pool, job.lane, int(depth) - 1 if allowed else int(depth))
         if not allowed:
             raise _full(job.lane, int(depth), retry_after(int(depth), rate))
         entry_id = entry[0].decode() if isinstance(entry[0], bytes) else entry[0]
