@@ -245,7 +245,9 @@ def run(args: argparse.Namespace) -> int:
             logs.mkdir(parents=True, exist_ok=True)
             for log in workdir.rglob("*.log"):
                 if log.name != "redis.log":
-                    (logs / f"{log.parent.name}_{log.name}").write_text("\n".join(
+                    # Named by run, not by the temporary folder, so each run replaces the last one's.
+                    name = log.name if log.parent == workdir else f"{log.parent.name}_{log.name}"
+                    (logs / name).write_text("\n".join(
                         log.read_text(errors="replace").splitlines()[-200:]))
     info = report.machine(engine_versions())
     settings = engine_settings(args, options, plan)
