@@ -266,7 +266,7 @@ class WorkerLoop:
             await self.redis.set(contract.prefix_key(self.pool, prefix), self.info.worker_id, ex=PREFIX_TTL_S)
 
     async def _finish(self, stream: str, entry_id: bytes, job: Job) -> None:
-        await self._ack(stream, entry_id)
+        await self.replies.ack(stream, entry_id)
 
     async def _run(self, job: Job, reply_key: str, started_ms: int) -> None:
         body = json.loads(job.body)

@@ -4,7 +4,8 @@ A worker streams thousands of chunks a second; a round trip (and a redis-py pipe
 would spend the event loop that vLLM's own output handling runs on. Chunks are queued without
 waiting; the writer task sends everything queued in one pipeline, in order, so each reply stream
 keeps its order. A terminal reply is awaited: when it returns, it and every chunk before it are in
-Redis, and only then is the job acknowledged.
+Redis, and only then is the job acknowledged, through the same batches (the jobs that end in one
+loop turn share one round trip for their acknowledgements too).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from flatfare.contract import Reply
 
 log = logging.getLogger("flatfare.worker")
 
-_Pending = tuple[str, dict[str, str], bool, asyncio.Future[None] | None]
+# (key, reply fields, set the reply TTL, done) for a reply; (stream, None, False, done) plus the
+# entry id in place of the fields for an acknowledgement.
+_Pending = tuple[str, dict[str, str] | bytes, bool, asyncio.Future[None] | None]
 
 
 class ReplyWriter:
@@ -51,6 +54,13 @@ class ReplyWriter:
         self._wake.set()
         await done
 
+    async def ack(self, stream: str, entry_id: bytes) -> None:
+        """Acknowledge and delete a finished job's entry; returns once that is done in Redis."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.append((stream, entry_id, False, done))
+        self._wake.set()
+        await done
+
     async def _run(self) -> None:
         while True:
             await self._wake.wait()
@@ -61,12 +71,16 @@ class ReplyWriter:
             try:
                 async with self._redis.pipeline(transaction=False) as pipe:
                     for key, fields, set_ttl, _ in batch:
+                        if isinstance(fields, bytes):  # an acknowledgement
+                            pipe.xack(key, contract.POOL_GROUP, fields)
+                            pipe.xdel(key, fields)
+                            continue
                         pipe.xadd(key, fields)
                         if set_ttl:
                             pipe.expire(key, contract.REPLY_TTL_S)
                     await pipe.execute()
             except (aioredis.RedisError, OSError) as exc:
-                log.warning("writing %d replies failed: %s", len(batch), exc)
+                log.warning("writing %d replies and acknowledgements failed: %s", len(batch), exc)
                 for *_, done in batch:
                     if done is not None and not done.done():
                         done.set_exception(exc)
