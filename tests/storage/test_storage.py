@@ -67,11 +67,15 @@ async def test_two_keys_never_share_a_hash(sessions) -> None:
     assert count == 20 and len({k.secret for k in keys}) == 20
 
 
-async def test_ledger_opens_and_closes_one_row(sessions) -> None:
+async def _issued_key(sessions):  # noqa: ANN001, ANN202 - test helper
     async with sessions() as session:
-        account = await ensure_account(session, "acme")
-        issued = await issue_key(session, account)
+        issued = await issue_key(session, await ensure_account(session, "acme"))
         await session.commit()
+    return issued
+
+
+async def test_ledger_opens_and_closes_one_row(sessions) -> None:
+    issued = await _issued_key(sessions)
     ledger = Ledger(sessions)
     await ledger.open(request_id="r1", account_id=issued.account_id, api_key_id=issued.key_id, model="m",
                       endpoint="chat", stream=True, created_at=datetime.now(UTC))
@@ -88,10 +92,7 @@ async def test_ledger_opens_and_closes_one_row(sessions) -> None:
 
 
 async def test_ledger_commits_concurrent_writes_together_and_exactly(sessions) -> None:
-    async with sessions() as session:
-        account = await ensure_account(session, "acme")
-        issued = await issue_key(session, account)
-        await session.commit()
+    issued = await _issued_key(sessions)
     ledger = Ledger(sessions)
     charge = Charge(plan="pro", price_micros=2000, quota_day="2026-12-02")
 
@@ -120,10 +121,7 @@ async def test_ledger_commits_concurrent_writes_together_and_exactly(sessions) -
 
 
 async def test_a_reused_idempotency_key_fails_only_its_own_write(sessions) -> None:
-    async with sessions() as session:
-        account = await ensure_account(session, "acme")
-        issued = await issue_key(session, account)
-        await session.commit()
+    issued = await _issued_key(sessions)
     ledger = Ledger(sessions)
 
     async def open_(request_id: str, key: str | None) -> None:
