@@ -168,7 +168,7 @@ class WorkerLoop:
             job = Job.from_fields(fields)
         except (KeyError, ValueError):
             log.error("dropping malformed job %s", entry_id)
-            asyncio.create_task(self._ack(batch.stream, entry_id))
+            asyncio.create_task(self.replies.ack(batch.stream, entry_id))
             return
         if job.request_id in self.inflight:  # already running here (a takeover of our own job)
             return
@@ -184,12 +184,6 @@ class WorkerLoop:
         self.entries.pop(request_id, None)
         self._handed_back.discard(request_id)
         self._slot_freed.set()
-
-    async def _ack(self, stream: str, entry_id: bytes) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xack(stream, contract.POOL_GROUP, entry_id)
-            pipe.xdel(stream, entry_id)
-            await pipe.execute()
 
     async def _renew_leases(self) -> None:
         while True:
@@ -256,7 +250,7 @@ class WorkerLoop:
                                                     "worker_error"))
         finally:
             if job.request_id not in self._handed_back:
-                await asyncio.shield(self._finish(stream, entry_id, job))
+                await asyncio.shield(self.replies.ack(stream, entry_id))
 
     async def _own_prefix(self, prefix: str) -> None:
         # Claimed before the engine runs, not after the answer: from its prefill on, this worker's
@@ -264,9 +258,6 @@ class WorkerLoop:
         # reached the client) should be routed here.
         with contextlib.suppress(aioredis.RedisError, OSError):
             await self.redis.set(contract.prefix_key(self.pool, prefix), self.info.worker_id, ex=PREFIX_TTL_S)
-
-    async def _finish(self, stream: str, entry_id: bytes, job: Job) -> None:
-        await self.replies.ack(stream, entry_id)
 
     async def _run(self, job: Job, reply_key: str, started_ms: int) -> None:
         body = json.loads(job.body)
