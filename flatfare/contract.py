@@ -10,7 +10,9 @@ Request path in Redis terms:
    worker of the model's pool reads the lane streams through the consumer group
    :data:`POOL_GROUP`, so each job goes to one worker: its own stream first, then premium, then
    standard, with a guaranteed share for standard (:data:`STANDARD_SHARE`).
-2. The worker XADDs :class:`Reply` entries to ``reply_stream(request_id)``: zero or more
+2. The worker XADDs :class:`Reply` entries to the job's ``reply_to`` stream: the gateway process's
+   own ``gateway_replies(gateway_id)`` (each entry names its request), or, for an idempotent
+   request, the request's own ``reply_stream(request_id)``, kept for replays. Zero or more
    ``CHUNK`` entries (one SSE ``data:`` payload each) then exactly one terminal entry:
    ``RESPONSE`` (a whole non-streaming body), ``ERROR`` (status + OpenAI error body) or ``END``
    (a stream finished; carries the usage).
@@ -89,7 +91,19 @@ def prefix_key(model: str, prefix_hash: str) -> str:
 
 
 def reply_stream(request_id: str) -> str:
+    """One request's own reply stream: kept 24 h for replays of an idempotent request."""
     return f"{PREFIX}:reply:{request_id}"
+
+
+def gateway_replies(gateway_id: str) -> str:
+    """The reply stream one gateway process reads for every request it holds (entries name their
+    request with the ``i`` field): one blocking read serves all of them."""
+    return f"{PREFIX}:replies:{gateway_id}"
+
+
+def begun_key(request_id: str) -> str:
+    """Set by the worker with a request's first reply: output went out, so a takeover must not rerun it."""
+    return f"{PREFIX}:begun:{request_id}"
 
 
 def cancel_key(request_id: str) -> str:
@@ -143,10 +157,17 @@ class Job:
     deadline_ms: int = 0
     # Hash of the prompt's long shared prefix, when there is one (prefix-aware routing).
     prefix: str = ""
+    # Where the replies go: the gateway process's reply stream, or the request's own; "" means the
+    # request's own (jobs queued by gateways that predate per-process reply streams).
+    reply_to: str = ""
 
     @property
     def priority(self) -> int:
         return self.lane.priority
+
+    @property
+    def reply_key(self) -> str:
+        return self.reply_to or reply_stream(self.request_id)
 
     def to_fields(self) -> dict[str, str]:
         return {
@@ -157,6 +178,7 @@ class Job:
             "l": self.lane.value,
             "dl": str(self.deadline_ms),
             "px": self.prefix,
+            "rt": self.reply_to,
         }
 
     @classmethod
@@ -170,6 +192,7 @@ class Job:
             lane=Lane(f.get("l", Lane.STANDARD.value)),
             deadline_ms=int(f.get("dl", "0")),
             prefix=f.get("px", ""),
+            reply_to=f.get("rt", ""),
         )
 
 
@@ -197,8 +220,10 @@ class Reply:
     started_ms: int = 0
     first_token_ms: int = 0
 
-    def to_fields(self) -> dict[str, str]:
-        fields = {"k": self.kind.value, "d": self.data}
+    def to_fields(self, request_id: str = "") -> dict[str, str]:
+        """The stream entry; ``request_id`` names the request in a stream shared by many."""
+        fields = {"i": request_id, "k": self.kind.value, "d": self.data} if request_id else \
+            {"k": self.kind.value, "d": self.data}
         if self.started_ms:
             fields["q"] = str(self.started_ms)
         if self.kind is not ReplyKind.CHUNK:
@@ -220,6 +245,21 @@ class Reply:
             started_ms=int(f.get("q", "0")),
             first_token_ms=int(f.get("f", "0")),
         )
+
+    @classmethod
+    def from_entry(cls, fields: dict[bytes, bytes]) -> Reply:
+        """From a raw stream entry (bytes, as redis-py returns it): the gateway's hot path."""
+        get = fields.get
+        kind = _KINDS[get(b"k", b"c")]
+        if kind is ReplyKind.CHUNK:
+            started = get(b"q")
+            return cls(kind, get(b"d", b"").decode(), started_ms=int(started) if started else 0)
+        usage = get(b"u")
+        return cls(kind, get(b"d", b"").decode(), int(get(b"s", b"200")),
+                   Usage(**json.loads(usage)) if usage else None, int(get(b"q", b"0")), int(get(b"f", b"0")))
+
+
+_KINDS = {kind.value.encode(): kind for kind in ReplyKind}
 
 
 @dataclass(slots=True)

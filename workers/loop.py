@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
@@ -22,7 +23,7 @@ from flatfare.logs import bind, prompts_enabled
 from workers.claims import Claimed, Claimer
 from workers.metrics import WorkerMetrics
 from workers.presence import Presence, listen_for_cancels, now_ms
-from workers.replies import ReplyWriter
+from workers.replies import BatchedGet, ReplyWriter
 
 log = logging.getLogger("flatfare.worker")
 
@@ -44,6 +45,12 @@ class EngineLike(Protocol):
 
 
 PREFIX_TTL_S = 300
+
+
+@dataclass(frozen=True, slots=True)
+class _Checks:
+    cancelled: bool
+    begun: bool
 
 
 def _error(status: int, message: str, code: str, kind: str = "server_error") -> Reply:
@@ -71,6 +78,7 @@ class WorkerLoop:
         self.pool = info.pool or info.model
         self.claimer = Claimer(redis, self.pool, info.worker_id)
         self.replies = ReplyWriter(redis)
+        self._lookups = BatchedGet(redis)
         self.presence = presence or Presence(redis, info)
         self.metrics = metrics
         self.inflight: dict[str, asyncio.Task[None]] = {}
@@ -217,27 +225,27 @@ class WorkerLoop:
     # -- one job -----------------------------------------------------------------------------
 
     async def _handle(self, stream: str, entry_id: bytes, job: Job, reclaimed: bool) -> None:
-        reply_key = contract.reply_stream(job.request_id)
         bind(request_id=job.request_id, model=self.info.model)  # this task's log lines
         try:
-            if await self.redis.exists(contract.cancel_key(job.request_id)):
+            checks = await self._checks(job, reclaimed)
+            if checks.cancelled:
                 log.info("skipping %s: its client went away while it was queued", job.request_id)
                 self._ended_without_reply("skipped")
                 return
             if job.deadline_ms and now_ms() > job.deadline_ms:
-                await self._reply(reply_key, _error(429, "The request waited in the queue past its "
-                                                    "x-flatfare-max-queue-ms deadline; it was not run.",
-                                                    "queue_deadline_exceeded", "rate_limit_error"))
+                await self._reply(job, _error(429, "The request waited in the queue past its "
+                                              "x-flatfare-max-queue-ms deadline; it was not run.",
+                                              "queue_deadline_exceeded", "rate_limit_error"))
                 return
-            if reclaimed and await self.redis.xlen(reply_key):
+            if checks.begun:
                 # Its worker died after part of the answer went out: running it again would send a
                 # second, different answer after the first one's start. Fail it cleanly instead.
-                await self._reply(reply_key, _error(502, "The worker running this request was lost in the "
-                                                    "middle of its answer; retry it.", "worker_lost"))
+                await self._reply(job, _error(502, "The worker running this request was lost in the "
+                                              "middle of its answer; retry it.", "worker_lost"))
                 return
             if job.prefix:
                 await self._own_prefix(job.prefix)
-            await self._run(job, reply_key, now_ms())
+            await self._run(job, now_ms())
         except asyncio.CancelledError:
             # The client went away, or the drain timed out and the job is handed back: the engine
             # request is aborted by closing its generator.
@@ -246,11 +254,20 @@ class WorkerLoop:
         except Exception:  # noqa: BLE001 - any engine failure must still answer the client
             log.exception("job %s failed", job.request_id)
             with contextlib.suppress(Exception):
-                await self._reply(reply_key, _error(500, "The worker failed while running this request; retry it.",
-                                                    "worker_error"))
+                await self._reply(job, _error(500, "The worker failed while running this request; retry it.",
+                                              "worker_error"))
         finally:
             if job.request_id not in self._handed_back:
-                await asyncio.shield(self.replies.ack(stream, entry_id))
+                await asyncio.shield(self.replies.ack(stream, entry_id, job.request_id))
+
+    async def _checks(self, job: Job, reclaimed: bool) -> _Checks:
+        """Whether the client went away while the job waited and (for a takeover) whether output
+        already went out. Jobs claimed together share one round trip for these."""
+        keys = [contract.cancel_key(job.request_id)]
+        if reclaimed:
+            keys.append(contract.begun_key(job.request_id))
+        values = await self._lookups.get(keys)
+        return _Checks(cancelled=values[0] is not None, begun=reclaimed and values[1] is not None)
 
     async def _own_prefix(self, prefix: str) -> None:
         # Claimed before the engine runs, not after the answer: from its prefill on, this worker's
@@ -259,7 +276,7 @@ class WorkerLoop:
         with contextlib.suppress(aioredis.RedisError, OSError):
             await self.redis.set(contract.prefix_key(self.pool, prefix), self.info.worker_id, ex=PREFIX_TTL_S)
 
-    async def _run(self, job: Job, reply_key: str, started_ms: int) -> None:
+    async def _run(self, job: Job, started_ms: int) -> None:
         body = json.loads(job.body)
         if prompts_enabled():  # FLATFARE_LOG_PROMPTS: customers' data, off unless switched on
             log.info("prompt of %s", job.request_id, extra={"prompt": body.get("messages", body.get("prompt"))})
@@ -273,19 +290,19 @@ class WorkerLoop:
             body["stream_options"] = {**options, "include_usage": True}
         result = await self.engine.run(job.endpoint, body)
         if result.error is not None:
-            await self._reply(reply_key, Reply(ReplyKind.ERROR, json.dumps(result.error), status=result.error_status,
-                                               started_ms=started_ms))
+            await self._reply(job, Reply(ReplyKind.ERROR, json.dumps(result.error), status=result.error_status,
+                                         started_ms=started_ms))
             return
         if result.body is not None:
             usage = _usage(json.loads(result.body))
             if prompts_enabled():
                 log.info("output of %s", job.request_id, extra={"output": result.body})
-            await self._reply(reply_key, Reply(ReplyKind.RESPONSE, result.body, usage=usage, started_ms=started_ms,
-                                               first_token_ms=now_ms()))
+            await self._reply(job, Reply(ReplyKind.RESPONSE, result.body, usage=usage, started_ms=started_ms,
+                                         first_token_ms=now_ms()))
             return
-        await self._stream(result.stream, reply_key, wants_usage, started_ms)
+        await self._stream(result.stream, job, wants_usage, started_ms)
 
-    async def _stream(self, stream: Any, reply_key: str, wants_usage: bool, started_ms: int) -> None:
+    async def _stream(self, stream: Any, job: Job, wants_usage: bool, started_ms: int) -> None:
         usage: Usage | None = None
         first_token_ms = 0
         try:
@@ -305,18 +322,18 @@ class WorkerLoop:
                         first_token_ms = now_ms()
                     # The first chunk carries the start time (the gateway's x-flatfare-queue-ms) and
                     # sets the TTL, which the terminal reply refreshes.
-                    await self._reply(reply_key, Reply(ReplyKind.CHUNK, payload, started_ms=started_ms if first else 0),
-                                      set_ttl=first)
+                    await self._reply(job, Reply(ReplyKind.CHUNK, payload, started_ms=started_ms if first else 0),
+                                      first=first)
         finally:
             await stream.aclose()
-        await self._reply(reply_key, Reply(ReplyKind.END, usage=usage, started_ms=started_ms,
-                                           first_token_ms=first_token_ms))
+        await self._reply(job, Reply(ReplyKind.END, usage=usage, started_ms=started_ms,
+                                     first_token_ms=first_token_ms))
 
-    async def _reply(self, reply_key: str, reply: Reply, *, set_ttl: bool = True) -> None:
+    async def _reply(self, job: Job, reply: Reply, *, first: bool = True) -> None:
         if not reply.kind.terminal:  # chunks go out with the next batch, in order
-            self.replies.send(reply_key, reply, set_ttl=set_ttl)
+            self.replies.send(job, reply, first=first)
             return
-        await self.replies.send_and_wait(reply_key, reply, set_ttl=set_ttl)
+        await self.replies.send_and_wait(job, reply)
         if self.metrics is not None:
             self.metrics.replied(reply)
 

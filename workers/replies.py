@@ -17,18 +17,19 @@ import logging
 import redis.asyncio as aioredis
 
 from flatfare import contract
-from flatfare.contract import Reply
+from flatfare.contract import Job, Reply
+from flatfare.redis_conn import SOCKET_TIMEOUT_S, without_read_timeouts
 
 log = logging.getLogger("flatfare.worker")
 
-# (key, reply fields, set the reply TTL, done) for a reply; (stream, None, False, done) plus the
-# entry id in place of the fields for an acknowledgement.
-_Pending = tuple[str, dict[str, str] | bytes, bool, asyncio.Future[None] | None]
+# (key, reply fields, set the reply TTL, the request's begun marker to set or "", done) for a reply;
+# (stream, entry id, False, the begun marker to delete or "", done) for an acknowledgement.
+_Pending = tuple[str, dict[str, str] | bytes, bool, str, asyncio.Future[None] | None]
 
 
 class ReplyWriter:
     def __init__(self, redis: aioredis.Redis) -> None:
-        self._redis = redis
+        self._redis = without_read_timeouts(redis)
         self._pending: list[_Pending] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -41,23 +42,27 @@ class ReplyWriter:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        await self._redis.aclose()
 
-    def send(self, key: str, reply: Reply, *, set_ttl: bool = False) -> None:
-        """Queue a reply; it reaches Redis with the next batch."""
-        self._pending.append((key, reply.to_fields(), set_ttl, None))
+    def send(self, job: Job, reply: Reply, *, first: bool = False) -> None:
+        """Queue a chunk for ``job``'s reply stream; it reaches Redis with the next batch. The first
+        chunk also sets the stream's TTL and the request's begun marker (output went out: a takeover
+        must fail the request, not run it again)."""
+        self._pending.append(_entry(job, reply, first, None))
         self._wake.set()
 
-    async def send_and_wait(self, key: str, reply: Reply, *, set_ttl: bool = True) -> None:
-        """Queue a reply and return once it (and everything queued before it) is in Redis."""
+    async def send_and_wait(self, job: Job, reply: Reply) -> None:
+        """Queue a terminal reply and return once it (and everything queued before it) is in Redis."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append((key, reply.to_fields(), set_ttl, done))
+        self._pending.append(_entry(job, reply, True, done))
         self._wake.set()
         await done
 
-    async def ack(self, stream: str, entry_id: bytes) -> None:
-        """Acknowledge and delete a finished job's entry; returns once that is done in Redis."""
+    async def ack(self, stream: str, entry_id: bytes, request_id: str = "") -> None:
+        """Acknowledge and delete a finished job's entry (and the request's begun marker); returns
+        once that is done in Redis."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append((stream, entry_id, False, done))
+        self._pending.append((stream, entry_id, False, contract.begun_key(request_id) if request_id else "", done))
         self._wake.set()
         await done
 
@@ -69,17 +74,21 @@ class ReplyWriter:
             if not batch:
                 continue
             try:
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    for key, fields, set_ttl, _ in batch:
+                async with asyncio.timeout(SOCKET_TIMEOUT_S), self._redis.pipeline(transaction=False) as pipe:
+                    for key, fields, set_ttl, begun, _ in batch:
                         if isinstance(fields, bytes):  # an acknowledgement
                             pipe.xack(key, contract.POOL_GROUP, fields)
                             pipe.xdel(key, fields)
+                            if begun:
+                                pipe.delete(begun)
                             continue
                         pipe.xadd(key, fields)
                         if set_ttl:
                             pipe.expire(key, contract.REPLY_TTL_S)
+                        if begun:
+                            pipe.set(begun, 1, ex=contract.REPLY_TTL_S)
                     await pipe.execute()
-            except (aioredis.RedisError, OSError) as exc:
+            except (aioredis.RedisError, OSError, TimeoutError) as exc:
                 log.warning("writing %d replies and acknowledgements failed: %s", len(batch), exc)
                 for *_, done in batch:
                     if done is not None and not done.done():
@@ -88,3 +97,45 @@ class ReplyWriter:
             for *_, done in batch:
                 if done is not None and not done.done():
                     done.set_result(None)
+
+
+def _entry(job: Job, reply: Reply, set_ttl: bool, done: asyncio.Future[None] | None) -> _Pending:
+    # A gateway's shared reply stream needs the request id in each entry; a request's own does not.
+    fields = reply.to_fields(job.request_id if job.reply_to else "")
+    marker = contract.begun_key(job.request_id) if set_ttl and not reply.kind.terminal else ""
+    return (job.reply_key, fields, set_ttl, marker, done)
+
+
+class BatchedGet:
+    """GETs of many jobs started in one event-loop turn, sent as one MGET: a claim of 64 jobs costs
+    one round trip for their cancellation checks, not 64."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self._redis = redis
+        self._keys: list[str] = []
+        self._waiters: list[tuple[int, int, asyncio.Future[list[bytes | None]]]] = []
+
+    async def get(self, keys: list[str]) -> list[bytes | None]:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[list[bytes | None]] = loop.create_future()
+        if not self._waiters:
+            loop.call_soon(lambda: asyncio.ensure_future(self._flush()))
+        self._waiters.append((len(self._keys), len(keys), done))
+        self._keys += keys
+        return await done
+
+    async def _flush(self) -> None:
+        keys, waiters = self._keys, self._waiters
+        self._keys, self._waiters = [], []
+        try:
+            values = await self._redis.mget(keys)
+        except BaseException as exc:  # noqa: BLE001 - every waiter must hear of it
+            for *_, done in waiters:
+                if not done.done():
+                    done.set_exception(exc if isinstance(exc, Exception) else aioredis.RedisError(str(exc)))
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for start, count, done in waiters:
+            if not done.done():
+                done.set_result(values[start:start + count])
