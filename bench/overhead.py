@@ -30,6 +30,7 @@ from bench.stack import FlatfareStack, http_get
 MODEL = "instant"
 TOKENS = 16
 CHAT_PATH = "/v1/chat/completions"
+FLATFARE_TARGETS = ("flatfare", "flatfare-granian", "flatfare-pg")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--postgres", metavar="SERVER_URL", default="",
                         help="also run Flatfare on PostgreSQL (a temporary database on this server, dropped after), "
                         "e.g. postgresql://postgres@127.0.0.1:5432/test")
+    parser.add_argument("--servers", nargs="+", default=["uvicorn"], choices=["uvicorn", "granian"],
+                        help="the gateway's HTTP servers to run (flatfare = uvicorn, flatfare-granian)")
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 round, 2 concurrencies, 2 s")
     parser.add_argument("--out", type=Path, default=report.RESULTS_DIR)
@@ -130,7 +133,7 @@ def write_results(out: Path, points: list[dict[str, Any]], info: dict[str, str],
     table = report.markdown_table(short, [[r[c] for c in short] for r in rows])
     by = {(r["target"], r["stream"], r["concurrency"]): r for r in rows}
     ratio_rows = []
-    for flatfare in ("flatfare", "flatfare-pg"):
+    for flatfare in FLATFARE_TARGETS:
         for stream in (False, True):
             for conc in settings["concurrency"]:
                 f, lt = by.get((flatfare, stream, conc)), by.get(("litellm", stream, conc))
@@ -155,7 +158,7 @@ unanswered when the window closed.
         tag = "stream" if stream else "nonstream"
         series_rps: dict[str, tuple[list[float], list[float]]] = {}
         series_lat: dict[str, tuple[list[float], list[float]]] = {}
-        for target in ("flatfare", "flatfare-pg", "litellm", "direct"):
+        for target in (*FLATFARE_TARGETS, "litellm", "direct"):
             sel = [r for r in rows if r["target"] == target and r["stream"] == stream]
             if not sel:
                 continue
@@ -186,13 +189,15 @@ def run(args: argparse.Namespace) -> int:
         try:
             upstream, upstream_url = start_upstream(group, workdir, rest_cpus)
             targets: dict[str, tuple[str, str, dict[str, int], list[str]]] = {}
-            databases = {"flatfare": ""}
+            # target -> (ledger's PostgreSQL server or "" for SQLite, HTTP server)
+            variants = {("flatfare" if http == "uvicorn" else f"flatfare-{http}"): ("", http) for http in args.servers}
             if args.postgres:
-                databases["flatfare-pg"] = args.postgres
-            for name, server in databases.items():
+                variants["flatfare-pg"] = (args.postgres, args.servers[0])
+            for name, (server, http) in variants.items():
                 stack = FlatfareStack(group, workdir / name, MODEL, ["--engine", "instant"],
-                                      extra_env={"FLATFARE_INSTANT_TOKENS": str(TOKENS)}, gateway_cpus=proxy_cpus,
-                                      worker_cpus=rest_cpus, redis_cpus=rest_cpus, postgres_server=server)
+                                      extra_env={"FLATFARE_INSTANT_TOKENS": str(TOKENS), "FLATFARE_SERVER": http},
+                                      gateway_cpus=proxy_cpus, worker_cpus=rest_cpus, redis_cpus=rest_cpus,
+                                      postgres_server=server)
                 stacks.append(stack)
                 stack.start_storage()
                 stack.start_worker(60)
@@ -231,8 +236,9 @@ def run(args: argparse.Namespace) -> int:
                 "warm-up s": args.warmup, "tokens per answer": TOKENS, "endpoint": CHAT_PATH,
                 "placement": f"proxy under test on CPU {proxy_cpus}, the rest on CPU {rest_cpus}"
                 if proxy_cpus else "not pinned",
-                "flatfare": "1 gateway process (uvicorn), 1 worker --engine instant, private redis-server, SQLite"
-                + (" (flatfare-pg: the same on a temporary PostgreSQL database)" if args.postgres else ""),
+                "flatfare": "1 gateway process (uvicorn; flatfare-granian: granian), 1 worker --engine instant, "
+                "private redis-server, SQLite" + (" (flatfare-pg: the same on a temporary PostgreSQL database)"
+                                                  if args.postgres else ""),
                 "litellm": "1 proxy worker, master key, global_max_parallel_requests 10000, deployment rpm 1e7",
                 "load average before / after": f"{load_before} / {report.load_average()}"}
     write_results(args.out, points, info, settings)

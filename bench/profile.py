@@ -36,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     parser.add_argument("--postgres", metavar="SERVER_URL", default="",
                         help="run the ledger on a temporary PostgreSQL database instead of SQLite")
+    parser.add_argument("--server", default="uvicorn", choices=["uvicorn", "granian"], help="the gateway's HTTP server")
     parser.add_argument("--quick", action="store_true", help="5 s per mode")
     parser.add_argument("--out", type=Path, default=report.RESULTS_DIR)
 
@@ -107,13 +108,15 @@ def run(args: argparse.Namespace) -> int:
     proxy_cpus, rest_cpus = overhead.placement(False)
     load_before = report.load_average()
     report.mark_start()
-    suffix = "_pg" if args.postgres else ""
+    suffix = ("_pg" if args.postgres else "") + ("_granian" if args.server == "granian" else "")
+    # granian serves from a child process of the one started.
+    children = ["--subprocesses"] if args.server == "granian" else []
     sections = []
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ff-bench-profile-") as tmp, services() as group:
         workdir = Path(tmp)
         stack = FlatfareStack(group, workdir / "flatfare", overhead.MODEL, ["--engine", "instant"],
-                              extra_env={"FLATFARE_INSTANT_TOKENS": str(overhead.TOKENS)},
+                              extra_env={"FLATFARE_INSTANT_TOKENS": str(overhead.TOKENS), "FLATFARE_SERVER": args.server},
                               gateway_cpus=proxy_cpus, worker_cpus=rest_cpus, redis_cpus=rest_cpus,
                               postgres_server=args.postgres)
         try:
@@ -126,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
                 spies = {}
                 # "gateway-gil" samples only the thread holding the GIL: the gateway's Python CPU. The plain
                 # samplers see every active thread, including ones blocked inside C (SQLite's lock waits).
-                for name, pid, extra in (("gateway", stack.gateway.pid, []), ("gateway-gil", stack.gateway.pid, ["--gil"]),  # type: ignore[union-attr]
+                for name, pid, extra in (("gateway", stack.gateway.pid, children),  # type: ignore[union-attr]
+                                         ("gateway-gil", stack.gateway.pid, ["--gil", *children]),  # type: ignore[union-attr]
                                          ("worker", stack.worker.pid, [])):  # type: ignore[union-attr]
                     raw = workdir / f"{name}_{tag}.txt"
                     spies[name] = (raw, subprocess.Popen(
@@ -161,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
                 "placement": f"gateway on CPU {proxy_cpus}, the rest on CPU {rest_cpus}" if proxy_cpus else "not pinned",
                 "load average before / after": f"{load_before} / {report.load_average()}"}
     settings["ledger database"] = "PostgreSQL (temporary database)" if args.postgres else "SQLite file"
+    settings["gateway server"] = args.server
     report.write_markdown(args.out / f"profile{suffix}.md", "Profile: gateway and worker under the overhead load",
                           __doc__.split("\n\n", 1)[1], report.machine(), settings, sections)
     print(f"[profile] wrote {args.out / f'profile{suffix}.md'}")

@@ -16,10 +16,13 @@ import asyncio
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from sqlalchemy import bindparam, func, insert, select, update
+from concurrent.futures import ThreadPoolExecutor
+
+from sqlalchemy import Connection, bindparam, func, insert, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
+from flatfare.storage.db import sqlite_writer
 from flatfare.storage.models import OutboxStatus, RequestRecord, RequestStatus, UsageOutbox
 
 
@@ -78,20 +81,41 @@ class Ledger:
     def __init__(self, sessions: async_sessionmaker[AsyncSession]) -> None:
         self._sessions = sessions
         self._engine: AsyncEngine = sessions.kw["bind"]
+        self._writer_engine = sqlite_writer(self._engine)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger") if self._writer_engine else None
         self._pending: list[_Write] = []
         self._writer: asyncio.Task[None] | None = None
 
     async def open(self, *, request_id: str, account_id: int, api_key_id: int, model: str, endpoint: str,
                    stream: bool, created_at: datetime, charge: Charge | None = None,
                    idempotency_key: str | None = None, body_sha256: str | None = None) -> None:
+        """Write the request's row; returns once it is committed."""
+        await self.opened(self.start_open(
+            request_id=request_id, account_id=account_id, api_key_id=api_key_id, model=model, endpoint=endpoint,
+            stream=stream, created_at=created_at, charge=charge, idempotency_key=idempotency_key,
+            body_sha256=body_sha256), idempotency_key)
+
+    def start_open(self, *, request_id: str, account_id: int, api_key_id: int, model: str, endpoint: str,
+                   stream: bool, created_at: datetime, charge: Charge | None = None,
+                   idempotency_key: str | None = None, body_sha256: str | None = None) -> asyncio.Future[None]:
+        """Queue the request's row for the next group commit without waiting: the caller queues the
+        job meanwhile and awaits :meth:`opened` before it answers (so no answer leaves before its row
+        is committed)."""
         row = {"id": request_id, "account_id": account_id, "api_key_id": api_key_id, "model": model,
                "endpoint": endpoint, "stream": stream, "status": RequestStatus.QUEUED.value,
                "created_at": created_at, "prompt_tokens": 0, "completion_tokens": 0,
                "billable": charge is not None, "price_micros": charge.price_micros if charge else 0,
                "plan": charge.plan if charge else None, "quota_day": charge.quota_day if charge else None,
                "idempotency_key": idempotency_key, "body_sha256": body_sha256}
+        done = self._queue(request_id, opening=row)
+        done.add_done_callback(_retrieve)  # a request that ended early may never await it
+        return done
+
+    @staticmethod
+    async def opened(done: asyncio.Future[None], idempotency_key: str | None = None) -> None:
+        """Wait for a row queued by :meth:`start_open` to be committed."""
         try:
-            await self._write(request_id, opening=row)
+            await asyncio.shield(done)
         except IntegrityError as exc:
             if idempotency_key is not None:
                 raise DuplicateIdempotencyKey(idempotency_key) from exc
@@ -99,16 +123,16 @@ class Ledger:
 
     async def close(self, request_id: str, outcome: Outcome) -> None:
         """Make the row final; a late duplicate (the row is no longer queued) changes nothing."""
-        await self._write(request_id, outcome=outcome)
+        await asyncio.shield(self._queue(request_id, outcome=outcome))
 
-    async def _write(self, request_id: str, *, opening: dict[str, object] | None = None,
-                     outcome: Outcome | None = None) -> None:
+    def _queue(self, request_id: str, *, opening: dict[str, object] | None = None,
+               outcome: Outcome | None = None) -> asyncio.Future[None]:
         done = asyncio.get_running_loop().create_future()
         self._pending.append(_Write(request_id, opening, outcome, done))
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._drain())
-        # Shielded: a caller that goes away still leaves its write to the batch it joined.
-        await asyncio.shield(done)
+        # Callers await it shielded: one that goes away still leaves its write to the batch it joined.
+        return done
 
     async def _drain(self) -> None:
         """Commit what is pending, one transaction at a time, until nothing is; then end."""
@@ -138,41 +162,21 @@ class Ledger:
                 _settle(batch, None)
 
     async def _commit(self, batch: list[_Write]) -> None:
-        opens = [w.opening for w in batch if w.opening is not None]
-        closes: dict[str, Outcome] = {}
-        for write in batch:
-            if write.outcome is not None:
-                closes.setdefault(write.request_id, write.outcome)  # the first close of a row wins
-        now = datetime.now(UTC)
+        if self._writer_engine is not None:  # SQLite: the whole transaction in one thread hop
+            await asyncio.get_running_loop().run_in_executor(self._thread, self._commit_in_thread, batch)
+            return
         async with self._engine.begin() as conn:
-            if opens:
-                await conn.execute(_OPEN, opens)
-            if not closes:
-                return
-            queued = (await conn.execute(
-                select(_REQUESTS.c.id, _REQUESTS.c.billable, _REQUESTS.c.price_micros, _REQUESTS.c.account_id,
-                       _REQUESTS.c.quota_day)
-                .where(_REQUESTS.c.id.in_(closes), _REQUESTS.c.status == RequestStatus.QUEUED.value)
-                .with_for_update())).all()
-            if not queued:
-                return
-            updates, meters = [], []
-            for row in queued:
-                outcome = closes[row.id]
-                billable = row.billable and outcome.billable
-                updates.append({
-                    "b_id": row.id, "b_status": outcome.status.value, "b_http_status": outcome.http_status,
-                    "b_finished_at": now, "b_queue_ms": outcome.queue_ms, "b_ttft_ms": outcome.ttft_ms,
-                    "b_duration_ms": outcome.duration_ms, "b_prompt_tokens": outcome.prompt_tokens,
-                    "b_completion_tokens": outcome.completion_tokens, "b_error_code": outcome.error_code,
-                    "b_billable": billable})
-                if billable and row.price_micros > 0:
-                    meters.append({"request_id": row.id, "account_id": row.account_id, "day": row.quota_day or "",
-                                   "created_at": now, "status": OutboxStatus.PENDING.value, "attempts": 0,
-                                   "next_attempt_at": now})
-            await conn.execute(_CLOSE, updates)
-            if meters:
-                await conn.execute(_METER, meters)
+            await conn.run_sync(_write_batch, batch)
+
+    def _commit_in_thread(self, batch: list[_Write]) -> None:
+        with self._writer_engine.begin() as conn:  # type: ignore[union-attr]
+            _write_batch(conn, batch)
+
+    def dispose(self) -> None:
+        """Close the SQLite writer's connection and thread (nothing to do for other databases)."""
+        if self._writer_engine is not None:
+            self._writer_engine.dispose()
+            self._thread.shutdown(wait=False)  # type: ignore[union-attr]
 
     async def find_idempotent(self, account_id: int, idempotency_key: str) -> RequestRecord | None:
         async with self._sessions() as session:
@@ -207,6 +211,49 @@ async def daily_usage(sessions: async_sessionmaker[AsyncSession], account_id: in
             .group_by(RequestRecord.quota_day, RequestRecord.model)
             .order_by(RequestRecord.quota_day, RequestRecord.model))
         return [{"day": day, "model": model, "requests": count} for day, model, count in rows]
+
+
+def _write_batch(conn: Connection, batch: list[_Write]) -> None:
+    """One transaction's statements (the caller begins and commits it)."""
+    opens = [w.opening for w in batch if w.opening is not None]
+    closes: dict[str, Outcome] = {}
+    for write in batch:
+        if write.outcome is not None:
+            closes.setdefault(write.request_id, write.outcome)  # the first close of a row wins
+    now = datetime.now(UTC)
+    if opens:
+        conn.execute(_OPEN, opens)
+    if not closes:
+        return
+    queued = conn.execute(
+        select(_REQUESTS.c.id, _REQUESTS.c.billable, _REQUESTS.c.price_micros, _REQUESTS.c.account_id,
+               _REQUESTS.c.quota_day)
+        .where(_REQUESTS.c.id.in_(closes), _REQUESTS.c.status == RequestStatus.QUEUED.value)
+        .with_for_update()).all()
+    if not queued:
+        return
+    updates, meters = [], []
+    for row in queued:
+        outcome = closes[row.id]
+        billable = row.billable and outcome.billable
+        updates.append({
+            "b_id": row.id, "b_status": outcome.status.value, "b_http_status": outcome.http_status,
+            "b_finished_at": now, "b_queue_ms": outcome.queue_ms, "b_ttft_ms": outcome.ttft_ms,
+            "b_duration_ms": outcome.duration_ms, "b_prompt_tokens": outcome.prompt_tokens,
+            "b_completion_tokens": outcome.completion_tokens, "b_error_code": outcome.error_code,
+            "b_billable": billable})
+        if billable and row.price_micros > 0:
+            meters.append({"request_id": row.id, "account_id": row.account_id, "day": row.quota_day or "",
+                           "created_at": now, "status": OutboxStatus.PENDING.value, "attempts": 0,
+                           "next_attempt_at": now})
+    conn.execute(_CLOSE, updates)
+    if meters:
+        conn.execute(_METER, meters)
+
+
+def _retrieve(done: asyncio.Future[None]) -> None:
+    if not done.cancelled():
+        done.exception()
 
 
 def _settle(batch: list[_Write], error: BaseException | None) -> None:

@@ -79,15 +79,24 @@ class QuotaWindow:
         return max(int((self.resets_at - now).total_seconds() + 0.999), 1)
 
 
+# timezone -> (the day's start in UTC, its window): every request of a day asks for the same one.
+_WINDOWS: dict[str, tuple[datetime, QuotaWindow]] = {}
+
+
 def quota_window(timezone: str, now: datetime) -> QuotaWindow:
     """The calendar day containing ``now`` in ``timezone`` (midnight to midnight, local time)."""
+    known = _WINDOWS.get(timezone)
+    if known is not None and known[0] <= now < known[1].resets_at:
+        return known[1]
     zone = ZoneInfo(timezone)
     local = now.astimezone(zone)
     midnight = datetime(local.year, local.month, local.day, tzinfo=zone)
     # Adding a day to the local date, then localising, keeps DST days 23 or 25 hours long.
     next_local = (midnight + timedelta(days=1)).replace(tzinfo=None)
     resets_at = next_local.replace(tzinfo=zone).astimezone(UTC)
-    return QuotaWindow(day=local.date().isoformat(), resets_at=resets_at)
+    window = QuotaWindow(day=local.date().isoformat(), resets_at=resets_at)
+    _WINDOWS[timezone] = (midnight.astimezone(UTC), window)
+    return window
 
 
 def openai_duration(seconds: int) -> str:

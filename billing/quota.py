@@ -25,16 +25,22 @@ EPOCH_KEY = "ff:quota:epoch"
 REBUILD_LOCK_KEY = "ff:quota:rebuilding"
 # Counters outlive their day by this much, so a late give-back still finds them.
 EXPIRY_SLACK_S = 3600
-_REBUILT = -1
 
-_TAKE = """
+# The quota's check, shared with the gateway's admission script (gateway/queueing.py), which also
+# puts the job on its lane in the same script. KEYS[1]: the day's counter, KEYS[2]: the epoch marker;
+# ARGV[1]: the limit (-1: none). Leaves ``used``; returns early when the request may not be counted.
+QUOTA_CHECK = """
 if redis.call('EXISTS', KEYS[2]) == 0 then return {-1, 0} end
 local used = tonumber(redis.call('GET', KEYS[1]) or '0')
 if ARGV[1] ~= '-1' and used >= tonumber(ARGV[1]) then return {0, used} end
+"""
+# Counts the request: ARGV[2] is the counter's expiry (unix seconds).
+QUOTA_COUNT = """
 used = redis.call('INCR', KEYS[1])
 redis.call('EXPIREAT', KEYS[1], ARGV[2])
-return {1, used}
 """
+_TAKE = QUOTA_CHECK + QUOTA_COUNT + "return {1, used}\n"
+REBUILT = -1
 
 _GIVE_BACK = """
 local used = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -49,6 +55,11 @@ class QuotaUnavailable(Exception):
 
 def counter_key(account_id: int, day: str) -> str:
     return f"ff:quota:{account_id}:{day}"
+
+
+def expiry(resets_at: datetime) -> int:
+    """When a day's counter may go (unix seconds)."""
+    return int(resets_at.timestamp()) + EXPIRY_SLACK_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,14 +86,14 @@ class DailyQuota:
 
     async def take(self, account_id: int, day: str, limit: int | None, resets_at: datetime) -> Decision:
         """Count one request against the day, unless the limit is reached."""
-        expire_at = int(resets_at.timestamp()) + EXPIRY_SLACK_S
+        expire_at = expiry(resets_at)
         key = counter_key(account_id, day)
         for _ in range(50):
             try:
                 allowed, used = await self._take(keys=[key, EPOCH_KEY], args=[-1 if limit is None else limit, expire_at])
             except (RedisError, OSError) as exc:
                 raise QuotaUnavailable(str(exc)) from exc
-            if allowed != _REBUILT:
+            if allowed != REBUILT:
                 return Decision(allowed=bool(allowed), used=int(used), limit=limit)
             await self.rebuild(day)
         raise QuotaUnavailable("the quota counters are being rebuilt; retry shortly")

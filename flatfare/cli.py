@@ -43,13 +43,13 @@ def gateway(
     host: Annotated[str | None, typer.Option(help="Interface to listen on.")] = None,
     port: Annotated[int | None, typer.Option(help="Port to listen on.")] = None,
     processes: Annotated[int, typer.Option(help="Gateway processes sharing the port.")] = 1,
+    server: Annotated[str | None, typer.Option(help="HTTP server: uvicorn (httptools) or granian (Rust).")] = None,
 ) -> None:
     """Run the gateway (FLATFARE_DATABASE_URL, FLATFARE_REDIS_URL)."""
-    import uvicorn
-
     from gateway.settings import GatewaySettings
 
-    overrides: dict[str, Any] = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
+    overrides: dict[str, Any] = {k: v for k, v in {"host": host, "port": port, "server": server}.items()
+                                 if v is not None}
     settings = GatewaySettings(**overrides)
     if not settings.redis_url:
         _fail("set FLATFARE_REDIS_URL: the gateway needs the Redis its workers use")
@@ -63,6 +63,14 @@ def gateway(
     # prometheus_client picks multiprocess mode at import, from this variable: set it before anything
     # imports it, so every gateway process writes its samples where /metrics reads them all.
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(_metrics_dir(settings.metrics_dir))
+    if settings.server == "granian":
+        from granian import Granian
+
+        Granian("gateway.app:create_app", address=settings.host, port=settings.port, interface="asgi",
+                workers=processes, factory=True, loop="uvloop", log_enabled=False, backlog=4096).serve()
+        return
+    import uvicorn
+
     uvicorn.run("gateway.app:create_app", factory=True, host=settings.host, port=settings.port,
                 workers=processes, log_level=settings.log_level, access_log=False, log_config=None)
 

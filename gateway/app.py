@@ -25,12 +25,13 @@ from gateway.completions import CompletionService
 from gateway.errors import install_handlers
 from gateway.metrics import GatewayMetrics, RequestObserver
 from gateway.metrics import router as metrics_router
+from gateway.openai_asgi import CompletionRoutes
 from gateway.affinity import PrefixRouter
 from gateway.plans import PlanBook
 from gateway.queueing import LaneLimits, LaneQueue
 from gateway.pools import Pools
 from gateway.ratelimit import RateLimitHeaders
-from gateway.replies import Dispatcher
+from gateway.replies import Replies, ReplyRouter
 from gateway.settings import GatewaySettings
 
 
@@ -59,9 +60,11 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         state.ledger = ledger
         limits = {Lane.PREMIUM: LaneLimits(settings.max_queue_depth_premium, settings.max_queue_wait_s_premium),
                   Lane.STANDARD: LaneLimits(settings.max_queue_depth_standard, settings.max_queue_wait_s_standard)}
+        router = ReplyRouter(redis, settings.request_timeout_s)
+        router.start()
         state.completions = CompletionService(
-            state.pools, Dispatcher(redis, settings.request_timeout_s), ledger, state.plans, state.quota,
-            LaneQueue(redis, limits), PrefixRouter(redis, settings.prefix_routing), metrics)
+            state.pools, router, Replies(redis), ledger, state.plans, state.quota,
+            LaneQueue(redis, limits, state.quota), PrefixRouter(redis, settings.prefix_routing), metrics)
         state.accounts = AccountStore(sessions)
         state.stripe = None
         state.webhooks = WebhookProcessor(sessions, {price: plan for plan, price in settings.stripe_prices.items()})
@@ -76,6 +79,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         finally:
             stop.set()
             await asyncio.gather(*background, return_exceptions=True)
+            await router.stop()
+            ledger.dispose()
             await redis.aclose()
             await engine.dispose()
 
@@ -85,6 +90,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     install_handlers(app)
     app.add_middleware(RateLimitHeaders)
     app.add_middleware(RequestObserver, metrics=metrics)
+    # Outermost: the two completion routes are served here, before routing and the middlewares above.
+    app.add_middleware(CompletionRoutes, metrics=metrics)
     app.include_router(routes.router)
     app.include_router(usage.router)
     app.include_router(billing_routes.router)

@@ -1,6 +1,8 @@
-"""One completion request through the platform: validate, route, record, queue, answer.
+"""One completion request through the platform: validate, route, count and queue, record, answer.
 
 Everything a client can get wrong is refused here, before the ledger or the queue see the request.
+The service knows nothing of HTTP: :mod:`gateway.openai_asgi` hands it the body, the caller and a
+:class:`Call` (the few headers it reads, the client's presence) and sends the :class:`Answer` back.
 """
 
 from __future__ import annotations
@@ -11,38 +13,32 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import orjson
 from pydantic import ValidationError
 from redis.exceptions import RedisError
-from starlette.background import BackgroundTask
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
-
 from sqlalchemy.exc import SQLAlchemyError
 
 from billing.ledger import Charge, DuplicateIdempotencyKey, Ledger, Outcome
 from billing.plans import AccountTerms, QuotaWindow, quota_window
-from billing.quota import DailyQuota, Decision, QuotaUnavailable
+from billing.quota import DailyQuota, QuotaUnavailable, expiry
 from flatfare.contract import Endpoint, Job, Reply, ReplyKind
 from flatfare.logs import bind
-from flatfare.storage.models import RequestStatus
+from flatfare.storage.models import RequestRecord, RequestStatus
+from gateway.affinity import PrefixRouter, prefix_hash
 from gateway.auth import Caller
 from gateway.errors import APIError, error_body, invalid, validation_error
-from gateway.metrics import GatewayMetrics, label_request
-from flatfare.storage.models import RequestRecord
+from gateway.metrics import GatewayMetrics
 from gateway.plans import PlanBook
 from gateway.pools import Pool, Pools
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.queueing import LaneQueue, QuotaClaim, QuotaSpent, Queued
 from gateway.ratelimit import ratelimit_headers
-from gateway.affinity import PrefixRouter, prefix_hash
-from gateway.queueing import LaneQueue, Queued
-from gateway.replies import Dispatcher
+from gateway.replies import Inbox, Replies, ReplyRouter, timed_out
 
 log = logging.getLogger("flatfare.gateway")
 
@@ -50,9 +46,12 @@ _MODELS = {Endpoint.CHAT: ChatCompletionRequest, Endpoint.COMPLETION: Completion
 # Fields only the platform sets: the engine's request id and scheduling priority.
 _RESERVED_FIELDS = ("request_id", "priority")
 _JSON = "application/json"
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_SSE = "text/event-stream"
+_SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 _DONE = b"data: [DONE]\n\n"
 CLIENT_CLOSED = 499
+# A request still waiting for its first reply after this long starts watching for its client leaving.
+WATCH_AFTER_S = 0.05
 IDEMPOTENCY_WINDOW_S = 24 * 3600
 MAX_IDEMPOTENCY_KEY = 255
 
@@ -130,9 +129,58 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-async def _client_gone(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+class Call:
+    """What the service needs of the HTTP request besides its body: a few headers, labels for the
+    metrics and log line, and whether the client is still there."""
+
+    __slots__ = ("headers", "labels", "ratelimit", "gone", "_on_leave", "_watch", "watcher")
+
+    def __init__(self, headers: dict[str, str], watch: Callable[[Call], Awaitable[None]] | None = None) -> None:
+        self.headers = headers
+        # Waits for the client to disconnect, then calls left(); started only when a wait gets long.
+        self._watch = watch
+        self.watcher: asyncio.Future[None] | None = None
+        # plan, model, lane: values the platform checked (bounded label sets), for metrics and logs.
+        self.labels: dict[str, str] = {}
+        # The rate-limit headers computed when the request was counted.
+        self.ratelimit: dict[str, str] | None = None
+        self.gone = False
+        self._on_leave: Callable[[], None] | None = None
+
+    def label(self, **values: str) -> None:
+        self.labels.update(values)
+        if "model" in values:
+            bind(model=values["model"])
+
+    def watch(self, on_leave: Callable[[], None]) -> None:
+        """Call ``on_leave`` when the client disconnects (at once if it already has)."""
+        self._on_leave = on_leave
+        if self.gone:
+            on_leave()
+
+    def watch_client(self) -> None:
+        """Start noticing a disconnect. Not done for every request: a task per request costs more
+        than most answers of a fast model take (see WATCH_AFTER_S)."""
+        if self.watcher is None and self._watch is not None:
+            self.watcher = asyncio.ensure_future(self._watch(self))
+
+    def left(self) -> None:
+        self.gone = True
+        if self._on_leave is not None:
+            self._on_leave()
+
+
+@dataclass(slots=True)
+class Answer:
+    """What goes back to the client: a whole body, or a stream of SSE bytes; then ``after`` runs
+    (the ledger close of a whole answer, once it is sent)."""
+
+    status: int
+    headers: dict[str, str]
+    media_type: str = _JSON
+    body: bytes = b""
+    stream: AsyncIterator[bytes] | None = None
+    after: Callable[[], Awaitable[None]] | None = field(default=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,26 +196,29 @@ class Admission:
     # For the metrics: the routed model and the plan's lane.
     model: str = ""
     lane: str = ""
+    # The idempotent request's own reply stream is kept for replays.
+    keep_reply: bool = False
 
 
 class CompletionService:
-    def __init__(self, pools: Pools, dispatcher: Dispatcher, ledger: Ledger, plans: PlanBook,
-                 quota: DailyQuota, queue: LaneQueue, router: PrefixRouter,
+    def __init__(self, pools: Pools, router: ReplyRouter, replies: Replies, ledger: Ledger, plans: PlanBook,
+                 quota: DailyQuota, queue: LaneQueue, prefixes: PrefixRouter,
                  metrics: GatewayMetrics | None = None) -> None:
         self._pools = pools
-        self._dispatcher = dispatcher
-        self._queue = queue
         self._router = router
+        self._replies = replies
+        self._queue = queue
+        self._prefixes = prefixes
         self._ledger = ledger
         self._plans = plans
         self._quota = quota
         self._metrics = metrics or GatewayMetrics()
 
-    async def handle(self, endpoint: Endpoint, raw: bytes, caller: Caller, request: Request) -> Response:
+    async def handle(self, endpoint: Endpoint, raw: bytes, caller: Caller, call: Call) -> Answer:
         body, parsed = parse_body(endpoint, raw)
         now = datetime.now(UTC)
         terms = await self._plans.terms(caller.account, now)
-        label_request(request, plan=terms.plan.name, lane=terms.plan.lane.value)
+        call.label(plan=terms.plan.name, lane=terms.plan.lane.value)
         check_caps(parsed, terms, len(raw))
         entry = (await self._pools.catalog()).get(parsed.model)
         if entry is not None and not entry.allows_plan(terms.plan.name):
@@ -175,73 +226,75 @@ class CompletionService:
                            param="model", code="model_not_allowed")
         pool = await self._pools.route(parsed.model, terms.pool)
         check_fits(parsed, pool)
-        deadline_ms = _deadline(request, now)
-        label_request(request, model=pool.model)
-        for field in _RESERVED_FIELDS:
-            body.pop(field, None)
-        idempotency_key = _idempotency_key(request)
+        deadline_ms = _deadline(call.headers, now)
+        call.label(model=pool.model)
+        for name in _RESERVED_FIELDS:
+            body.pop(name, None)
+        idempotency_key = _idempotency_key(call.headers)
         body_sha256 = hashlib.sha256(raw).hexdigest() if idempotency_key else None
         if idempotency_key:
             existing = await self._ledger.find_idempotent(caller.account_id, idempotency_key)
             if existing is not None and not _expired(existing, now):
-                return await self._replay(existing, body_sha256, request)
+                return await self._replay(existing, body_sha256, call)
             if existing is not None:
                 await self._ledger.release_idempotency_key(existing.id)
 
         window = quota_window(terms.plan.timezone, now)
-        decision = await self._count(caller, terms, window, now)
-        request.state.ratelimit = ratelimit_headers(decision.limit, decision.used, window, now)
         admission = Admission(new_request_id(), int(now.timestamp() * 1000), caller.account_id, window.day,
-                              model=pool.model, lane=terms.plan.lane.value)
+                              model=pool.model, lane=terms.plan.lane.value, keep_reply=idempotency_key is not None)
         bind(request_id=admission.request_id, account=caller.account_name)
         charge = Charge(plan=terms.plan.name, price_micros=terms.plan.price_per_request_micros, quota_day=window.day)
-        try:
-            await self._ledger.open(
-                request_id=admission.request_id, account_id=caller.account_id, api_key_id=caller.key_id,
-                model=pool.model, endpoint=endpoint.value, stream=bool(parsed.stream), created_at=now,
-                charge=charge, idempotency_key=idempotency_key, body_sha256=body_sha256)
-        except DuplicateIdempotencyKey:
-            # A concurrent request with the same key won the race: answer as its replay.
-            await self._give_back(admission)
-            existing = await self._ledger.find_idempotent(caller.account_id, idempotency_key or "")
-            return await self._replay(existing, body_sha256, request)
-        except SQLAlchemyError:
-            await self._give_back(admission)
-            raise APIError(503, "The ledger is unreachable; retry shortly.", code="ledger_unavailable",
-                           headers={"Retry-After": "1"}) from None
-        prefix = prefix_hash(endpoint, body) if self._router.enabled else ""
+        row = {"request_id": admission.request_id, "account_id": caller.account_id, "api_key_id": caller.key_id,
+               "model": pool.model, "endpoint": endpoint.value, "stream": bool(parsed.stream), "created_at": now,
+               "charge": charge, "idempotency_key": idempotency_key, "body_sha256": body_sha256}
+        if idempotency_key:
+            # The row must exist before the job: its unique key decides which of two racing
+            # requests runs and which one replays.
+            try:
+                await self._ledger.open(**row)
+            except DuplicateIdempotencyKey:
+                existing = await self._ledger.find_idempotent(caller.account_id, idempotency_key)
+                return await self._replay(existing, body_sha256, call)
+            except SQLAlchemyError:
+                raise _ledger_unavailable() from None
+        prefix = prefix_hash(endpoint, body) if self._prefixes.enabled else ""
+        inbox = self._router.follow(admission.request_id) if idempotency_key else self._router.open(admission.request_id)
         job = Job(request_id=admission.request_id, endpoint=endpoint, body=orjson.dumps(body).decode(),
-                  enqueued_ms=admission.created_ms, lane=terms.plan.lane, deadline_ms=deadline_ms, prefix=prefix)
+                  enqueued_ms=admission.created_ms, lane=terms.plan.lane, deadline_ms=deadline_ms, prefix=prefix,
+                  reply_to="" if idempotency_key else self._router.stream)
+        claim = QuotaClaim(caller.account_id, window.day, terms.daily_limit, expiry(window.resets_at))
         try:
-            routed = await self._router.target(pool.name, prefix, pool.workers)
-            queued = await self._queue.submit(job, pool.name, routed)
-        except APIError as exc:  # the lane is full: refused at once, and free
-            await self._settle(admission, Outcome(RequestStatus.FAILED, exc.status, error_code=exc.code,
-                                                  billable=False), keep_reply=False)
-            raise
-        except RedisError:
-            await self._settle(admission, Outcome(RequestStatus.FAILED, 503, error_code="queue_unavailable",
-                                                  billable=False), keep_reply=False)
-            raise APIError(503, "The request queue is unreachable; retry shortly.", code="queue_unavailable",
-                           headers={"Retry-After": "1"}) from None
-        return await self._relay(admission, request, keep_reply=idempotency_key is not None,
-                                 queued=queued if deadline_ms else None, deadline_ms=deadline_ms)
+            routed = await self._prefixes.target(pool.name, prefix, pool.workers)
+            admitted = await self._queue.admit(job, pool.name, claim, routed)
+        except BaseException as exc:
+            self._router.close(inbox)
+            if idempotency_key:  # its row is open: close it, free
+                code, status = ((exc.code, exc.status) if isinstance(exc, APIError) else ("not_queued", 503))
+                await self._ledger.close(admission.request_id, Outcome(RequestStatus.FAILED, status, error_code=code,
+                                                                       billable=False))
+            raise self._refusal(exc, terms, window, now) from None
+        call.ratelimit = ratelimit_headers(terms.daily_limit, admitted.used, window, now)
+        # The row is written while the job runs; no answer leaves before it is committed.
+        opening = None if idempotency_key else self._ledger.start_open(**row)
+        return await self._relay(admission, inbox, call, opening=opening,
+                                 queued=admitted.queued if deadline_ms else None, deadline_ms=deadline_ms)
 
-    async def _count(self, caller: Caller, terms: AccountTerms, window: QuotaWindow, now: datetime) -> Decision:
-        try:
-            decision = await self._quota.take(caller.account_id, window.day, terms.daily_limit, window.resets_at)
-        except QuotaUnavailable:
-            raise APIError(503, "Request quotas cannot be checked right now; retry shortly.",
-                           code="quota_unavailable", headers={"Retry-After": "1"}) from None
-        if not decision.allowed:
+    def _refusal(self, exc: BaseException, terms: AccountTerms, window: QuotaWindow, now: datetime) -> BaseException:
+        """The client's error for a request the admission script refused (nothing was counted)."""
+        if isinstance(exc, QuotaSpent):
             self._metrics.quota_rejected(terms.plan.name)
             seconds = window.seconds_left(now)
-            raise APIError(
+            return APIError(
                 429, f"You have used all {terms.daily_limit} requests of your {terms.plan.name} plan for today "
                 f"({window.day}); the allowance resets in {seconds} s.", code="rate_limit_exceeded",
-                headers={"Retry-After": str(seconds),
-                         **ratelimit_headers(decision.limit, decision.used, window, now)})
-        return decision
+                headers={"Retry-After": str(seconds), **ratelimit_headers(terms.daily_limit, exc.used, window, now)})
+        if isinstance(exc, QuotaUnavailable):
+            return APIError(503, "Request quotas cannot be checked right now; retry shortly.",
+                            code="quota_unavailable", headers={"Retry-After": "1"})
+        if isinstance(exc, RedisError):
+            return APIError(503, "The request queue is unreachable; retry shortly.", code="queue_unavailable",
+                            headers={"Retry-After": "1"})
+        return exc  # a full lane's 429, or anything else, as it is
 
     async def _give_back(self, admission: Admission) -> None:
         try:
@@ -249,8 +302,8 @@ class CompletionService:
         except QuotaUnavailable:
             log.error("could not give back the quota unit of %s: Redis is unreachable", admission.request_id)
 
-    async def _settle(self, admission: Admission, outcome: Outcome, *, keep_reply: bool) -> None:
-        """Close the ledger row, give the unit back if nothing was produced, tidy the reply stream."""
+    async def _settle(self, admission: Admission, outcome: Outcome) -> None:
+        """Close the ledger row, give the unit back if nothing was produced, keep a replayable stream."""
         if not admission.owner:
             return
         await self._ledger.close(admission.request_id, outcome)
@@ -258,105 +311,121 @@ class CompletionService:
                                prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens)
         if not outcome.billable:
             await self._give_back(admission)
-        with contextlib.suppress(RedisError):
-            await self._dispatcher.finish(admission.request_id, keep_s=IDEMPOTENCY_WINDOW_S if keep_reply else 0)
+        if admission.keep_reply:
+            with contextlib.suppress(RedisError):
+                await self._replies.keep(admission.request_id, IDEMPOTENCY_WINDOW_S)
 
     async def _abandon(self, admission: Admission, status: RequestStatus, http_status: int, code: str,
-                       billable: bool, keep_reply: bool) -> None:
+                       billable: bool) -> None:
         if admission.owner:
             with contextlib.suppress(RedisError):
-                await self._dispatcher.cancel(admission.request_id)
+                await self._replies.cancel(admission.request_id)
         await self._settle(admission, Outcome(status, http_status, duration_ms=_now_ms() - admission.created_ms,
-                                              error_code=code, billable=billable), keep_reply=keep_reply)
+                                              error_code=code, billable=billable))
 
-    async def _replay(self, existing: RequestRecord | None, body_sha256: str | None, request: Request) -> Response:
+    async def _replay(self, existing: RequestRecord | None, body_sha256: str | None, call: Call) -> Answer:
         if existing is None:
             raise APIError(409, "This Idempotency-Key is in use by another request; retry shortly.",
                            code="idempotency_key_in_use")
         if existing.body_sha256 != body_sha256:
             raise APIError(409, "This Idempotency-Key was already used with a different request body.",
                            param="Idempotency-Key", code="idempotency_key_reused")
-        if not await self._dispatcher.has_replies(existing.id):
+        if not await self._replies.has_replies(existing.id):
             raise APIError(409, f"The request {existing.id} with this Idempotency-Key ended ({existing.status}); "
                            "its result is no longer available.", code="idempotency_result_gone")
         admission = Admission(existing.id, int(existing.created_at.timestamp() * 1000), existing.account_id,
-                              existing.quota_day or "", owner=False)
-        return await self._relay(admission, request, keep_reply=True)
+                              existing.quota_day or "", owner=False, keep_reply=True)
+        return await self._relay(admission, self._router.follow(existing.id), call)
 
-    async def _relay(self, admission: Admission, request: Request, *, keep_reply: bool,
-                     queued: Queued | None = None, deadline_ms: int = 0) -> Response:
+    async def _relay(self, admission: Admission, inbox: Inbox, call: Call, *,
+                     opening: asyncio.Future[None] | None = None, queued: Queued | None = None,
+                     deadline_ms: int = 0) -> Answer:
         headers = {"x-request-id": admission.request_id}
-        replies = self._dispatcher.replies(admission.request_id)
-        batch = await self._first_reply(admission, replies, request, keep_reply, queued, deadline_ms)
-        if batch is None:
-            return Response(status_code=CLIENT_CLOSED, headers=headers)
-        first = batch[0]
-        if first.started_ms:
-            headers["x-flatfare-queue-ms"] = str(max(first.started_ms - admission.created_ms, 0))
-        if admission.owner and (first.kind is ReplyKind.CHUNK
-                                or (first.kind is ReplyKind.RESPONSE and first.status < 400)):
-            self._metrics.first_token(admission.model, admission.lane, (_now_ms() - admission.created_ms) / 1000)
-        if first.kind.terminal:
-            return self._whole(admission, first, headers, keep_reply)
-        return StreamingResponse(self._sse(admission, batch, replies, keep_reply),
-                                 media_type="text/event-stream", headers={**headers, **_SSE_HEADERS})
+        call.watch(inbox.leave)
+        handed_over = False
+        try:
+            batch = await self._first_replies(admission, inbox, call, queued, deadline_ms)
+            if opening is not None:
+                await self._recorded(admission, opening)
+            if batch is None:
+                await self._abandon(admission, RequestStatus.CANCELLED, CLIENT_CLOSED, "client_closed", billable=False)
+                return Answer(CLIENT_CLOSED, headers)
+            first = batch[0]
+            if first.started_ms:
+                headers["x-flatfare-queue-ms"] = str(max(first.started_ms - admission.created_ms, 0))
+            if admission.owner and (first.kind is ReplyKind.CHUNK
+                                    or (first.kind is ReplyKind.RESPONSE and first.status < 400)):
+                self._metrics.first_token(admission.model, admission.lane, (_now_ms() - admission.created_ms) / 1000)
+            if first.kind.terminal:
+                return self._whole(admission, inbox, first, headers)
+            handed_over = True
+            call.watch_client()
+            return Answer(200, {**headers, **_SSE_HEADERS}, _SSE, stream=self._sse(admission, inbox, batch))
+        finally:
+            if not handed_over:
+                self._router.close(inbox)
 
-    async def _first_reply(self, admission: Admission, replies: AsyncIterator[list[Reply]], request: Request,
-                           keep_reply: bool, queued: Queued | None = None,
-                           deadline_ms: int = 0) -> list[Reply] | None:
-        """The first batch of replies, or None if the client left first (the job is then cancelled).
+    async def _recorded(self, admission: Admission, opening: asyncio.Future[None]) -> None:
+        """Wait for the request's ledger row; without it the request is withdrawn, free."""
+        try:
+            await self._ledger.opened(opening)
+        except SQLAlchemyError:
+            with contextlib.suppress(RedisError):
+                await self._replies.cancel(admission.request_id)
+            await self._give_back(admission)
+            raise _ledger_unavailable() from None
+
+    async def _first_replies(self, admission: Admission, inbox: Inbox, call: Call, queued: Queued | None,
+                             deadline_ms: int) -> list[Reply] | None:
+        """The first replies, or None if the client left first (the caller cancels the job).
 
         Past the client's queue deadline, a job no worker has taken yet is withdrawn: 429, free."""
-        reading = asyncio.ensure_future(anext(replies))
-        leaving = asyncio.ensure_future(_client_gone(request))
-        try:
-            while True:
-                timeout = max(deadline_ms - _now_ms(), 0) / 1000 if queued is not None else None
-                done, _ = await asyncio.wait({reading, leaving}, timeout=timeout,
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if done:
-                    break
+        timeout_at = admission.created_ms + int(self._router.timeout_s * 1000)
+        watching = False
+        while True:
+            wake_at = min(timeout_at, deadline_ms) if queued is not None else timeout_at
+            wait_s = max(wake_at - _now_ms(), 0) / 1000
+            batch = await inbox.next(wait_s if watching else min(wait_s, WATCH_AFTER_S))
+            if batch:
+                return batch
+            if call.gone:
+                return None
+            if not watching:
+                watching = True
+                call.watch_client()
+                continue
+            if queued is not None and _now_ms() >= deadline_ms:
                 if await self._queue.withdraw(queued):
                     await self._abandon(admission, RequestStatus.FAILED, 429, "queue_deadline_exceeded",
-                                        billable=False, keep_reply=keep_reply)
+                                        billable=False)
                     raise APIError(429, "The request waited in the queue past its x-flatfare-max-queue-ms "
                                    "deadline; it was not run and costs nothing.", code="queue_deadline_exceeded",
                                    headers={"Retry-After": "1", "x-request-id": admission.request_id})
                 queued = None  # a worker has it: no deadline any more
-        finally:
-            leaving.cancel()
-            if not reading.done():
-                reading.cancel()
-        if reading.done() and not reading.cancelled():
-            try:
-                return reading.result()
-            except APIError as exc:
-                await self._abandon(admission, RequestStatus.FAILED, exc.status, exc.code or "timeout",
-                                    billable=False, keep_reply=keep_reply)
-                raise
-        await self._abandon(admission, RequestStatus.CANCELLED, CLIENT_CLOSED, "client_closed", billable=False,
-                            keep_reply=keep_reply)
-        return None
+                continue
+            if _now_ms() >= timeout_at:
+                exc = timed_out()
+                await self._abandon(admission, RequestStatus.FAILED, exc.status, exc.code or "timeout", billable=False)
+                raise exc
 
-    def _whole(self, admission: Admission, reply: Reply, headers: dict[str, str], keep_reply: bool) -> Response:
+    def _whole(self, admission: Admission, inbox: Inbox, reply: Reply, headers: dict[str, str]) -> Answer:
         outcome = _outcome(reply, admission.created_ms, _now_ms())
 
         async def finish() -> None:
-            await self._settle(admission, outcome, keep_reply=keep_reply)
+            await self._settle(admission, outcome)
 
         # A stream that ends at once (END first) still owes the client its [DONE].
-        content = _DONE if reply.kind is ReplyKind.END else reply.data
-        media_type = "text/event-stream" if reply.kind is ReplyKind.END else _JSON
-        return Response(content=content, status_code=reply.status, media_type=media_type, headers=headers,
-                        background=BackgroundTask(finish))
+        if reply.kind is ReplyKind.END:
+            return Answer(reply.status, headers, _SSE, _DONE, after=finish)
+        return Answer(reply.status, headers, _JSON, reply.data.encode(), after=finish)
 
-    async def _sse(self, admission: Admission, first: list[Reply], replies: AsyncIterator[list[Reply]],
-                   keep_reply: bool) -> AsyncIterator[bytes]:
+    async def _sse(self, admission: Admission, inbox: Inbox, first: list[Reply]) -> AsyncIterator[bytes]:
         last = first[0]
-        timed_out = False
+        timed_out_ = False
+        timeout_at = admission.created_ms + int(self._router.timeout_s * 1000)
         try:
-            batch: list[Reply] | None = first
-            while batch is not None:
+            batch = first
+            while True:
                 events = []
                 for reply in batch:
                     last = reply
@@ -367,32 +436,41 @@ class CompletionService:
                     else:
                         events.append(_DONE)
                 yield b"".join(events)  # what arrived together leaves in one write
-                batch = await anext(replies, None)
-        except APIError as exc:  # no terminal reply before the deadline
-            timed_out = True
-            yield _event(orjson.dumps(error_body(exc.status, exc.message, code=exc.code)).decode()) + _DONE
+                if last.kind.terminal or inbox.gone:
+                    break
+                batch = await inbox.next(max(timeout_at - _now_ms(), 0) / 1000)
+                if not batch and not inbox.gone:  # no terminal reply before the deadline
+                    timed_out_ = True
+                    exc = timed_out()
+                    yield _event(orjson.dumps(error_body(exc.status, exc.message, code=exc.code)).decode()) + _DONE
+                    break
         finally:
-            # Runs when the client leaves too (the response task is cancelled): shield the bookkeeping.
-            # Output was already produced here, so the request is charged whatever happens next.
-            with anyio.CancelScope(shield=True):
-                if timed_out:
-                    await self._abandon(admission, RequestStatus.FAILED, 504, "timeout", billable=True,
-                                        keep_reply=keep_reply)
-                elif last.kind.terminal:
-                    # Chunks went out before this terminal reply: output was produced, so it is charged.
-                    await self._settle(admission, _outcome(last, admission.created_ms, _now_ms(), produced=True),
-                                       keep_reply=keep_reply)
-                else:
-                    await self._abandon(admission, RequestStatus.CANCELLED, CLIENT_CLOSED, "client_closed",
-                                        billable=True, keep_reply=keep_reply)
+            self._router.close(inbox)
+            # Runs when the client leaves too: shield the bookkeeping. Output was already produced
+            # here, so the request is charged whatever happens next.
+            await asyncio.shield(self._end_stream(admission, last, timed_out_))
+
+    async def _end_stream(self, admission: Admission, last: Reply, timed_out_: bool) -> None:
+        if timed_out_:
+            await self._abandon(admission, RequestStatus.FAILED, 504, "timeout", billable=True)
+        elif last.kind.terminal:
+            # Chunks went out before this terminal reply: output was produced, so it is charged.
+            await self._settle(admission, _outcome(last, admission.created_ms, _now_ms(), produced=True))
+        else:
+            await self._abandon(admission, RequestStatus.CANCELLED, CLIENT_CLOSED, "client_closed", billable=True)
+
+
+def _ledger_unavailable() -> APIError:
+    return APIError(503, "The ledger is unreachable; retry shortly.", code="ledger_unavailable",
+                    headers={"Retry-After": "1"})
 
 
 MAX_QUEUE_DEADLINE_MS = 86_400_000
 
 
-def _deadline(request: Request, now: datetime) -> int:
+def _deadline(headers: dict[str, str], now: datetime) -> int:
     """The wall-clock ms past which a still-queued job is dropped (x-flatfare-max-queue-ms); 0: none."""
-    raw = request.headers.get("x-flatfare-max-queue-ms")
+    raw = headers.get("x-flatfare-max-queue-ms")
     if raw is None:
         return 0
     if not raw.strip().isdigit() or not 0 < int(raw) <= MAX_QUEUE_DEADLINE_MS:
@@ -401,8 +479,8 @@ def _deadline(request: Request, now: datetime) -> int:
     return int(now.timestamp() * 1000) + int(raw)
 
 
-def _idempotency_key(request: Request) -> str | None:
-    key = request.headers.get("idempotency-key")
+def _idempotency_key(headers: dict[str, str]) -> str | None:
+    key = headers.get("idempotency-key")
     if key is None:
         return None
     key = key.strip()

@@ -34,7 +34,6 @@ from sqlalchemy.exc import SQLAlchemyError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flatfare import contract
-from flatfare.logs import bind
 from flatfare.storage.models import CatalogModel, Lane, OutboxStatus, UsageOutbox
 
 log = logging.getLogger("flatfare.gateway")
@@ -102,17 +101,6 @@ class GatewayMetrics:
         self.quota_rejections.labels(plan).inc()
 
 
-def label_request(request: Request, *, plan: str | None = None, model: str | None = None,
-                  lane: str | None = None) -> None:
-    """Name the plan, model and lane of the request being handled, for its metrics and log lines.
-    Call it only with values the platform has checked (a routed model, not the client's text), so the
-    label sets stay bounded."""
-    for key, value in (("plan", plan), ("model", model), ("lane", lane)):
-        if value is not None:
-            setattr(request.state, f"metrics_{key}", value)
-    bind(model=model)
-
-
 class RequestObserver:
     """ASGI middleware: counts and times every HTTP request, and writes one log line for it."""
 
@@ -147,19 +135,22 @@ class RequestObserver:
     def _record(self, scope: Scope, route: str, response: dict[str, Any], seconds: float) -> None:
         state = scope.get("state") or {}
         caller = state.get("caller")
-        plan = state.get("metrics_plan") or (caller.account.plan if caller is not None else "")
-        model = state.get("metrics_model", "")
-        lane = state.get("metrics_lane", "")
-        status = response["status"]
-        self.metrics.requests.labels(route, str(status), plan, model).inc()
-        self.metrics.request_duration.labels(route, model, lane).observe(seconds)
-        level = logging.DEBUG if route in _QUIET_ROUTES else logging.INFO
-        if log.isEnabledFor(level):
-            fields = {"status": status, "duration_ms": round(seconds * 1000, 1), "route": route,
-                      "request_id": response["request_id"], "account": caller.account_name if caller else None,
-                      "plan": plan, "model": model}
-            log.log(level, "%s %s %s", scope.get("method", ""), route, status,
-                    extra={k: v for k, v in fields.items() if v})
+        plan = caller.account.plan if caller is not None else ""
+        observe(self.metrics, scope.get("method", ""), route, response["status"], seconds,
+                request_id=response["request_id"], caller=caller, plan=plan)
+
+
+def observe(metrics: GatewayMetrics, method: str, route: str, status: int, seconds: float, *,
+            request_id: str | None, caller: Any, plan: str = "", model: str = "", lane: str = "") -> None:
+    """Count and time one answered HTTP request, and write its log line."""
+    metrics.requests.labels(route, str(status), plan, model).inc()
+    metrics.request_duration.labels(route, model, lane).observe(seconds)
+    level = logging.DEBUG if route in _QUIET_ROUTES else logging.INFO
+    if log.isEnabledFor(level):
+        fields = {"status": status, "duration_ms": round(seconds * 1000, 1), "route": route,
+                  "request_id": request_id, "account": caller.account_name if caller else None,
+                  "plan": plan, "model": model}
+        log.log(level, "%s %s %s", method, route, status, extra={k: v for k, v in fields.items() if v})
 
 
 # -- scrape time: the platform's state, read from Redis and SQL ---------------------------------

@@ -1,6 +1,10 @@
 """Putting jobs on a lane, with backpressure: a full lane answers at once instead of queueing without
 bound, and its Retry-After comes from how fast the lane has been draining. A lane's maximum wait
-becomes a depth bound at its recent drain rate, so both bounds are one atomic check-and-add."""
+becomes a depth bound at its recent drain rate, so both bounds are one atomic check-and-add.
+
+Admission is one round trip: :meth:`LaneQueue.admit` runs one script that checks and counts the
+account's daily quota (billing.quota's Lua, unchanged), checks the lane's depth and adds the job.
+A refusal of either kind leaves nothing behind: no unit counted, no job."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from billing.quota import EPOCH_KEY, QUOTA_CHECK, QUOTA_COUNT, REBUILT, DailyQuota, QuotaUnavailable, counter_key
 from flatfare import contract
 from flatfare.contract import Job, Lane
 from gateway.errors import APIError
@@ -27,6 +32,22 @@ for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
 local id = redis.call('XADD', KEYS[1], '*', unpack(fields))
 return {1, queued + 1, id}
 """
+
+# KEYS: the day's quota counter, the quota epoch marker, the lane (or worker) stream.
+# ARGV: limit (-1: none), counter expiry, lane bound, consumer group, the job's fields...
+# Returns {-1, 0}: counters being rebuilt; {0, used}: quota spent; {2, used, queued}: lane full;
+# {1, used, queued, entry id}: counted and queued.
+_ADMIT_COUNTED = QUOTA_CHECK + """
+local ok, pending = pcall(redis.call, 'XPENDING', KEYS[3], ARGV[4])
+local queued = redis.call('XLEN', KEYS[3]) - (ok and pending[1] or 0)
+if queued >= tonumber(ARGV[3]) then return {2, used, queued} end
+""" + QUOTA_COUNT + """
+local fields = {}
+for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
+local id = redis.call('XADD', KEYS[3], '*', unpack(fields))
+return {1, used, queued + 1, id}
+"""
+QUOTA_SPENT, ADMITTED, LANE_FULL = 0, 1, 2
 
 # Take a job back out of its stream if no worker has been given it yet (atomic against XREADGROUP).
 _WITHDRAW = """
@@ -92,13 +113,82 @@ class Queued:
     depth: int
 
 
+@dataclass(frozen=True, slots=True)
+class QuotaClaim:
+    """The unit a request asks to count: the account's counter for the day, and its limit."""
+
+    account_id: int
+    day: str
+    limit: int | None
+    expire_at: int
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """The quota count after the request was counted, and where its job waits."""
+
+    used: int
+    queued: Queued
+
+
+class QuotaSpent(Exception):
+    """The account's daily allowance is spent (nothing was counted or queued)."""
+
+    def __init__(self, used: int) -> None:
+        super().__init__(used)
+        self.used = used
+
+
 class LaneQueue:
-    def __init__(self, redis: aioredis.Redis, limits: dict[Lane, LaneLimits]) -> None:
+    def __init__(self, redis: aioredis.Redis, limits: dict[Lane, LaneLimits], quota: DailyQuota | None = None) -> None:
         self._redis = redis
         self._admit = redis.register_script(_ADMIT)
+        self._admit_counted = redis.register_script(_ADMIT_COUNTED)
         self._withdraw = redis.register_script(_WITHDRAW)
         self._limits = limits
+        self._quota = quota
         self.drain = DrainRate(redis)
+
+    async def admit(self, job: Job, pool: str, claim: QuotaClaim, stream: str | None = None) -> Admitted:
+        """Count the request against its quota and queue its job, in one script.
+
+        Raises :class:`QuotaSpent` (nothing counted), 429 ``queue_full`` (nothing counted),
+        :class:`~billing.quota.QuotaUnavailable` when Redis is unreachable or the counters cannot be
+        rebuilt."""
+        max_depth, rate = await self._bound(job.lane, pool)
+        target = stream or contract.job_stream(pool, job.lane)
+        keys = [counter_key(claim.account_id, claim.day), EPOCH_KEY, target]
+        args = [-1 if claim.limit is None else claim.limit, claim.expire_at, max_depth, contract.POOL_GROUP,
+                *_flat(job)]
+        for _ in range(50):
+            try:
+                outcome, used, *rest = await self._admit_counted(keys=keys, args=args)
+            except (aioredis.RedisError, OSError) as exc:
+                raise QuotaUnavailable(str(exc)) from exc
+            if outcome != REBUILT:
+                break
+            if self._quota is None:
+                raise QuotaUnavailable("the quota counters were lost and this queue cannot rebuild them")
+            await self._quota.rebuild(claim.day)
+        else:
+            raise QuotaUnavailable("the quota counters are being rebuilt; retry shortly")
+        if outcome == QUOTA_SPENT:
+            raise QuotaSpent(int(used))
+        depth = int(rest[0])
+        if stream is None:
+            self.drain.saw(pool, job.lane, depth - 1 if outcome == ADMITTED else depth)
+        if outcome == LANE_FULL:
+            raise _full(job.lane, depth, retry_after(depth, rate))
+        entry_id = rest[1].decode() if isinstance(rest[1], bytes) else rest[1]
+        return Admitted(int(used), Queued(stream=target, entry_id=entry_id, depth=depth))
+
+    async def _bound(self, lane: Lane, pool: str) -> tuple[int, float]:
+        """The lane's depth bound now, and the drain rate it came from (0.0: not known)."""
+        limits = self._limits[lane]
+        rate = await self.drain.rate(pool, lane)
+        if rate > 0:
+            return min(limits.max_depth, max(1, int(rate * limits.max_wait_s))), rate
+        return limits.max_depth, rate
 
     async def submit(self, job: Job, pool: str, stream: str | None = None) -> Queued:
         """Queue ``job`` on its lane of ``pool`` (or on a routed worker's ``stream``).
@@ -106,11 +196,7 @@ class LaneQueue:
         Raises 429 with Retry-After when the lane holds its maximum depth, or as many jobs as it
         drains in its maximum wait at the recent drain rate.
         """
-        limits = self._limits[job.lane]
-        rate = await self.drain.rate(pool, job.lane)
-        max_depth = limits.max_depth
-        if rate > 0:
-            max_depth = min(max_depth, max(1, int(rate * limits.max_wait_s)))
+        max_depth, rate = await self._bound(job.lane, pool)
         target = stream or contract.job_stream(pool, job.lane)
         allowed, depth, *entry = await self._admit(keys=[target], args=[max_depth, contract.POOL_GROUP, *_flat(job)])
         if stream is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -51,12 +52,16 @@ class RateLimitHeaders:
         caller = state.get("caller")
         if caller is None:
             return {}
-        app_state = scope["app"].state
-        now = datetime.now(UTC)
-        try:
-            terms = await app_state.plans.terms(caller.account, now)
-            window = quota_window(terms.plan.timezone, now)
-            used = await app_state.quota.used(caller.account_id, window.day)
-        except QuotaUnavailable:
-            return {}
-        return ratelimit_headers(terms.daily_limit, used, window, now)
+        return await current_headers(scope["app"].state, caller)
+
+
+async def current_headers(app_state: Any, caller: Any) -> dict[str, str]:
+    """The caller's rate-limit headers read from the counter (for answers that counted nothing)."""
+    now = datetime.now(UTC)
+    try:
+        terms = await app_state.plans.terms(caller.account, now)
+        window = quota_window(terms.plan.timezone, now)
+        used = await app_state.quota.used(caller.account_id, window.day)
+    except QuotaUnavailable:
+        return {}
+    return ratelimit_headers(terms.daily_limit, used, window, now)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import Response
 
-from flatfare.contract import Endpoint
-from gateway.deps import CurrentCaller, PoolsDep, RawBody, ServiceDep
+from gateway.deps import CurrentCaller, PoolsDep
 from gateway.errors import APIError
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -19,14 +18,23 @@ def _body_schema(model: type) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
 
 
+# Served by gateway.openai_asgi.CompletionRoutes before FastAPI routes anything; declared here so
+# /docs and /openapi.json document them with their bodies and the API key they need.
+def _served_outside() -> Response:
+    raise APIError(500, "This route is served by the gateway's completion middleware; it was bypassed.",
+                   code="internal_error")
+
+
 @router.post("/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
-async def chat_completions(request: Request, caller: CurrentCaller, raw: RawBody, service: ServiceDep) -> Response:
-    return await service.handle(Endpoint.CHAT, raw, caller, request)
+async def chat_completions(_: CurrentCaller) -> Response:
+    """Creates a model response for the given chat conversation (OpenAI's API)."""
+    return _served_outside()
 
 
 @router.post("/completions", openapi_extra=_body_schema(CompletionRequest))
-async def completions(request: Request, caller: CurrentCaller, raw: RawBody, service: ServiceDep) -> Response:
-    return await service.handle(Endpoint.COMPLETION, raw, caller, request)
+async def completions(_: CurrentCaller) -> Response:
+    """Creates a completion for the provided prompt (OpenAI's API)."""
+    return _served_outside()
 
 
 async def _model_cards(pools: PoolsDep) -> list[dict[str, Any]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, SecretStr
 
 from billing.stripe_client import StripeConfig
@@ -11,6 +13,8 @@ from flatfare.settings import CommonSettings
 class GatewaySettings(CommonSettings):
     host: str = "127.0.0.1"
     port: int = 8000
+    # The HTTP server of `flatfare gateway`: uvicorn (httptools, uvloop) or granian (Rust).
+    server: Literal["uvicorn", "granian"] = "uvicorn"
     # Largest request body accepted, in bytes (plans may lower it); larger ones get 413.
     max_body_bytes: int = 8 * 1024 * 1024
     # How long a request may wait for its worker's answer, queued and running together.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -37,8 +37,10 @@ async def test_concurrent_takes_stop_exactly_at_the_limit(redis) -> None:
 
 async def test_day_boundary_with_an_injected_clock(redis) -> None:
     quota = _quota(redis)
-    late = quota_window("UTC", datetime(2026, 12, 2, 23, 59, 59, 900_000, tzinfo=UTC))
-    early = quota_window("UTC", datetime(2026, 12, 3, 0, 0, 0, 100_000, tzinfo=UTC))
+    # Tonight's midnight (UTC), so the counters' expiry stays in the future whatever today is.
+    midnight = quota_window("UTC", datetime.now(UTC)).resets_at
+    late = quota_window("UTC", midnight - timedelta(milliseconds=100))
+    early = quota_window("UTC", midnight + timedelta(milliseconds=100))
     assert (await quota.take(7, late.day, 1, late.resets_at)).allowed
     assert not (await quota.take(7, late.day, 1, late.resets_at)).allowed
     assert (await quota.take(7, early.day, 1, early.resets_at)).allowed  # a new day, a new allowance

@@ -1,0 +1,159 @@
+"""The completion routes as plain ASGI: ``POST /v1/chat/completions`` and ``POST /v1/completions``.
+
+These two routes carry nearly all of the platform's traffic, so they skip FastAPI's routing,
+dependency solving and middleware stack (a third of the gateway's CPU a request, measured in
+bench/results/profile.md): this middleware sits outermost, reads the few headers it needs, the
+bounded body, authenticates, hands the rest to :class:`~gateway.completions.CompletionService`,
+and sends its :class:`~gateway.completions.Answer` itself, with the same metrics, log line,
+rate-limit headers and OpenAI error bodies as every other route. FastAPI still declares both
+routes (gateway/routes.py), so ``/docs`` and ``/openapi.json`` document them; every other request
+passes through to FastAPI untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import orjson
+from redis.exceptions import RedisError
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from flatfare.contract import Endpoint
+from flatfare.logs import log_context
+from gateway.auth import Caller
+from gateway.completions import CLIENT_CLOSED, Answer, Call
+from gateway.errors import APIError, error_body
+from gateway.metrics import GatewayMetrics, observe
+from gateway.ratelimit import current_headers
+
+log = logging.getLogger("flatfare.gateway")
+
+ROUTES = {"/v1/chat/completions": Endpoint.CHAT, "/v1/completions": Endpoint.COMPLETION}
+# The request headers the service reads (ASGI gives names lower-cased, as bytes).
+_WANTED = {b"authorization", b"content-length", b"idempotency-key", b"x-flatfare-max-queue-ms"}
+_CONTENT_TYPE = {"application/json": b"application/json", "text/event-stream": b"text/event-stream; charset=utf-8"}
+
+
+class CompletionRoutes:
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = ROUTES.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if endpoint is None:
+            await self.app(scope, receive, send)
+            return
+        with log_context():
+            await self._serve(endpoint, scope, receive, send)
+
+    async def _serve(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
+        started = time.perf_counter()
+        state = scope["app"].state
+        headers = {name.decode(): value.decode("latin-1") for name, value in scope["headers"] if name in _WANTED}
+        call = Call(headers, lambda c: _watch(receive, c))
+        caller: Caller | None = None
+        status = 500
+        request_id: str | None = None
+        self.metrics.in_progress.inc()
+        try:
+            try:
+                caller = await state.authenticator.authenticate(headers.get("authorization"))
+                raw = await read_body(receive, headers.get("content-length"), state.settings.max_body_bytes)
+                answer = await state.completions.handle(endpoint, raw, caller, call)
+            except APIError as exc:
+                answer = await _error(exc, state, caller, call)
+            except RedisError:
+                # Fail closed: without Redis nothing can be counted, queued or routed.
+                answer = await _error(APIError(503, "The platform's queue is unreachable; retry shortly.",
+                                               code="queue_unavailable", headers={"Retry-After": "1"}),
+                                      state, caller, call)
+            request_id = answer.headers.get("x-request-id")
+            status = answer.status
+            if status != CLIENT_CLOSED or not call.gone:
+                await _send(answer, call, send)
+            if answer.after is not None:
+                await answer.after()
+        except Exception:
+            log.exception("unexpected error on %s", scope["path"])
+            with contextlib.suppress(Exception):
+                await _send(Answer(500, {}, body=orjson.dumps(error_body(
+                    500, "The server had an error while processing your request; retry it.",
+                    code="internal_error"))), call, send)
+            raise
+        finally:
+            if call.watcher is not None:
+                call.watcher.cancel()
+            self.metrics.in_progress.dec()
+            labels = call.labels
+            plan = labels.get("plan") or (caller.account.plan if caller is not None else "")
+            observe(self.metrics, "POST", scope["path"], status, time.perf_counter() - started,
+                    request_id=request_id, caller=caller, plan=plan, model=labels.get("model", ""),
+                    lane=labels.get("lane", ""))
+
+
+async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it passes the configured limit."""
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise APIError(CLIENT_CLOSED, "The client closed the connection.", code="client_closed")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"The request body is larger than this platform's limit of {limit} bytes.",
+                    code="request_too_large")
+
+
+async def _watch(receive: Receive, call: Call) -> None:
+    """Wait for the client to disconnect (the body is read, so nothing else comes)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    call.left()
+
+
+async def _error(exc: APIError, state: object, caller: Caller | None, call: Call) -> Answer:
+    headers = dict(exc.headers)
+    limits = call.ratelimit
+    if limits is None and caller is not None and exc.status != CLIENT_CLOSED:
+        limits = await current_headers(state, caller)
+    for name, value in (limits or {}).items():
+        headers.setdefault(name, value)
+    body = orjson.dumps(error_body(exc.status, exc.message, param=exc.param, code=exc.code))
+    return Answer(exc.status, headers, body=body)
+
+
+async def _send(answer: Answer, call: Call, send: Send) -> None:
+    raw_headers = [(b"content-type", _CONTENT_TYPE.get(answer.media_type, answer.media_type.encode()))]
+    if answer.stream is None:
+        raw_headers.append((b"content-length", str(len(answer.body)).encode()))
+    limits = call.ratelimit or {}
+    for name, value in (*answer.headers.items(), *((k, v) for k, v in limits.items() if k not in answer.headers)):
+        raw_headers.append((name.lower().encode(), value.encode("latin-1")))
+    await send({"type": "http.response.start", "status": answer.status, "headers": raw_headers})
+    if answer.stream is None:
+        await send({"type": "http.response.body", "body": answer.body})
+        return
+    stream = answer.stream
+    try:
+        async for chunk in stream:
+            if call.gone:
+                break
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        if not call.gone:
+            await send({"type": "http.response.body", "body": b""})
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,128 @@
+"""Admission in one round trip, against a real redis-server: the quota's check-and-count, the lane's
+bound and the job's XADD are one script, so a refusal of either kind leaves nothing behind; and the
+per-process reply stream routes every entry to its own request."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+
+import pytest
+
+from billing.plans import quota_window
+from billing.quota import EPOCH_KEY, DailyQuota, counter_key, expiry
+from flatfare import contract
+from flatfare.contract import Endpoint, Job, Lane, Reply, ReplyKind, Usage
+from flatfare.redis_conn import connect
+from gateway.errors import APIError
+from gateway.queueing import LaneLimits, LaneQueue, QuotaClaim, QuotaSpent
+from gateway.replies import ReplyRouter
+
+POOL = "m"
+
+
+@pytest.fixture
+async def redis(redis_url: str):
+    client = connect(redis_url)
+    await client.flushdb()
+    await client.set(EPOCH_KEY, 1)
+    yield client
+    await client.aclose()
+
+
+def _claim(account: int, limit: int | None) -> QuotaClaim:
+    window = quota_window("UTC", datetime.now(UTC))
+    return QuotaClaim(account, window.day, limit, expiry(window.resets_at))
+
+
+def _queue(redis, max_depth: int = 1000, ledger: dict[tuple[int, str], int] | None = None) -> LaneQueue:
+    async def counts(days: list[str]) -> dict[tuple[int, str], int]:
+        return {k: v for k, v in (ledger or {}).items() if k[1] in days}
+
+    return LaneQueue(redis, {lane: LaneLimits(max_depth, 60.0) for lane in Lane}, DailyQuota(redis, counts))
+
+
+def _job(i: int) -> Job:
+    return Job(request_id=f"r{i}", endpoint=Endpoint.CHAT, body="{}", enqueued_ms=0, reply_to="ff:replies:g")
+
+
+async def test_admit_counts_and_queues_exactly_the_limit_under_concurrency(redis) -> None:
+    queue, claim = _queue(redis), _claim(1, 60)
+    outcomes = await asyncio.gather(*(queue.admit(_job(i), POOL, claim) for i in range(200)),
+                                    return_exceptions=True)
+    admitted = [o for o in outcomes if not isinstance(o, BaseException)]
+    assert len(admitted) == 60
+    assert all(isinstance(o, QuotaSpent) for o in outcomes if isinstance(o, BaseException))
+    assert int(await redis.get(counter_key(1, claim.day))) == 60
+    assert await redis.xlen(contract.job_stream(POOL, Lane.STANDARD)) == 60
+    assert sorted(a.used for a in admitted) == list(range(1, 61))
+
+
+async def test_a_full_lane_refuses_without_counting(redis) -> None:
+    queue, claim = _queue(redis, max_depth=2), _claim(2, 60)
+    for i in range(2):
+        await queue.admit(_job(i), POOL, claim)
+    with pytest.raises(APIError) as refused:
+        await queue.admit(_job(2), POOL, claim)
+    assert refused.value.status == 429 and refused.value.code == "queue_full"
+    assert int(await redis.get(counter_key(2, claim.day))) == 2  # the refused one cost no unit
+    assert await redis.xlen(contract.job_stream(POOL, Lane.STANDARD)) == 2
+
+
+async def test_a_spent_quota_queues_nothing(redis) -> None:
+    queue, claim = _queue(redis), _claim(3, 1)
+    await queue.admit(_job(0), POOL, claim)
+    with pytest.raises(QuotaSpent) as spent:
+        await queue.admit(_job(1), POOL, claim)
+    assert spent.value.used == 1
+    assert await redis.xlen(contract.job_stream(POOL, Lane.STANDARD)) == 1
+
+
+async def test_lost_counters_are_rebuilt_from_the_ledger_before_admitting(redis) -> None:
+    claim = _claim(4, 5)
+    queue = _queue(redis, ledger={(4, claim.day): 4})
+    await redis.flushdb()  # Redis lost its data: no epoch marker
+    admitted = await queue.admit(_job(0), POOL, claim)
+    assert admitted.used == 5  # the ledger's 4, then this one
+    with pytest.raises(QuotaSpent):
+        await queue.admit(_job(1), POOL, claim)
+
+
+async def test_the_reply_router_hands_each_entry_to_its_own_request(redis) -> None:
+    router = ReplyRouter(redis, timeout_s=5.0, gateway_id="g1")
+    router.start()
+    try:
+        first, second = router.open("a"), router.open("b")
+        stream = contract.gateway_replies("g1")
+        await redis.xadd(stream, Reply(ReplyKind.CHUNK, '{"n":1}', started_ms=5).to_fields("a"))
+        await redis.xadd(stream, Reply(ReplyKind.CHUNK, "stale").to_fields("gone"))  # nobody waits for it
+        await redis.xadd(stream, Reply(ReplyKind.RESPONSE, "{}", usage=Usage(3, 4)).to_fields("b"))
+        await redis.xadd(stream, Reply(ReplyKind.END, usage=Usage(1, 2)).to_fields("a"))
+        replies_a: list[Reply] = []
+        while not replies_a or not replies_a[-1].kind.terminal:
+            replies_a += await first.next(2.0)
+        assert [r.kind for r in replies_a] == [ReplyKind.CHUNK, ReplyKind.END]
+        assert replies_a[0].data == '{"n":1}' and replies_a[0].started_ms == 5 and replies_a[1].usage == Usage(1, 2)
+        replies_b = await second.next(2.0)
+        assert [r.kind for r in replies_b] == [ReplyKind.RESPONSE] and replies_b[0].usage == Usage(3, 4)
+        router.close(first)
+        router.close(second)
+        assert router.holding == 0
+        # What was read is trimmed by the next read, and the stream expires if this process dies.
+        await redis.xadd(stream, Reply(ReplyKind.CHUNK, "x").to_fields("nobody"))
+        for _ in range(50):
+            if await redis.xlen(stream) <= 1:
+                break
+            await asyncio.sleep(0.05)
+        assert await redis.xlen(stream) <= 1
+        assert 0 < await redis.ttl(stream) <= contract.REPLY_TTL_S
+    finally:
+        await router.stop()
+
+
+async def test_an_inbox_wait_ends_at_its_timeout_or_when_the_client_leaves(redis) -> None:
+    router = ReplyRouter(redis, timeout_s=5.0, gateway_id="g2")
+    inbox = router.open("c")
+    assert await inbox.next(0.05) == []
+    asyncio.get_running_loop().call_later(0.05, inbox.leave)
+    assert await inbox.next(5.0) == [] and inbox.gone
