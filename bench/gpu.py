@@ -4,24 +4,29 @@ The device machine has no network and keeps ``/tmp`` only while it stays warm, s
 steps (see docs/PERFORMANCE.md for the exact device calls):
 
 1. ``python -m bench gpu prepare`` (here): Flatfare's own dependencies the device lacks, as cp312
-   ``--no-deps`` wheels, and a ``redis-server`` with its two libraries, into ``.gpu_wheels/``
-   (git-ignored, ~8 MB); the vLLM payload comes from ``shared/device/prepare_vllm_payload.sh``.
+   ``--no-deps`` wheels, py-spy, and a ``redis-server`` with its two libraries, into ``.gpu_wheels/``
+   (git-ignored, ~22 MiB); the vLLM payload comes from ``shared/device/prepare_vllm_payload.sh``.
 2. ``python -m bench gpu plan``: prints the device calls; each runs ``bench/gpu_device.sh`` there,
-   which runs ``python -m bench engine`` on the 8B and 1B shapes and leaves a ``.tgz`` per shape.
-3. ``python -m bench gpu report DIR_OR_TGZ ...`` (here): turns what came back into
-   ``bench/results/engine_gpu-*.md/.csv/.png``.
+   which runs ``python -m bench engine`` on the 8B or 1B shape (both systems, one server start each,
+   repeated load runs against it) and leaves a ``.tgz`` per shape, and the 1B offline engine rate.
+3. ``python -m bench gpu report DIR_OR_TGZ_OR_JSON ...`` (here): turns what came back into
+   ``bench/results/engine_gpu-*.md/.csv/.png``, with the issue's goals beside the ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench import engine, report
 
@@ -34,8 +39,27 @@ DEVICE_WHEELS = ["redis==8.1.0", "SQLAlchemy==2.1.9", "greenlet==3.5.6", "alembi
                  "MarkupSafe==3.0.4", "pydantic-settings==2.16.3", "python-dotenv==1.2.4", "aiosqlite==0.22.1",
                  "orjson==3.13.0", "httptools==0.9.0", "typer==0.29.2", "rich==15.0.0", "shellingham==1.5.4",
                  "annotated-doc==0.0.7", "markdown-it-py==4.3.0", "mdurl==0.1.2", "pygments==2.21.0",
-                 "stripe==16.1.0", "python-json-logger==4.2.0", "prometheus-client==0.26.0"]
+                 "stripe==16.1.0", "python-json-logger==4.2.0", "prometheus-client==0.26.0",
+                 "hiredis==3.5.0", "async-lru==2.4.0", "granian==2.8.9",
+                 # Not Flatfare's: samples the worker during one extra 256-client run (gpu_device.sh PYSPY).
+                 "py-spy==0.4.3"]
 REDIS_LIBS = ("liblzf.so.1", "libjemalloc.so.2")
+
+
+@dataclass(frozen=True)
+class Goals:
+    """The issue's goals for one shape, against ``vllm serve`` with the same engine options."""
+
+    min_ratio: float  # Flatfare's output tok/s over vllm serve's (medians), at least,
+    ratio_at: tuple[int, ...] = ()  # at these concurrencies (empty: at every one)
+    ttft_c1_ms: float | None = None  # TTFT p50 at 1 client at most this many ms above vllm serve's
+    offline_share: float | None = None  # Flatfare's best output tok/s over the offline engine's, at least
+
+
+GOALS = {"8b": Goals(1.00, ttft_c1_ms=5.0), "1b": Goals(1.30, ratio_at=(64, 256), offline_share=0.80)}
+# `vllm_bench.py offline` on the same machine kind (shared/device/README.md, 2026-12-02): what the GPU
+# does with no server in front, quoted when a session did not measure it itself.
+OFFLINE_REFERENCE = {"1b": [22158.0, 22802.0], "8b": [7068.0, 7169.0]}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,45 +98,185 @@ def prepare() -> int:
 
 
 PLAN = """\
-Device calls (the `run` tool), back to back (an idle machine is given back after ~30 s, /tmp with it);
-each call's carried folders plus the working tree stay under 64 MiB. First, here: build the vLLM
-payload (shared/device/prepare_vllm_payload.sh .gpu_vllm, with shared/device/* copied to .gpu_tools/
-as its README says) and run `python -m bench gpu prepare`.
+Device calls (the `run` tool, kind nvidia-h200), back to back: an idle machine is given back after ~30 s,
+/tmp with it. Each call's carried folders plus the working tree stay under 64 MiB (part1 alone is 59.5 MiB:
+keep the checkout's untracked files under ~4 MiB). First, here: build the vLLM payload
+(shared/device/prepare_vllm_payload.sh .gpu_vllm, with shared/device/* copied to .gpu_tools/ as its README
+says) and run `python -m bench gpu prepare` (.gpu_wheels, ~22 MiB).
+Each command is one line. END_BY is when the call must be done: gpu_device.sh stops bench.engine 50 s
+before it (SIGINT: servers stopped, what was measured written) and still leaves its .tgz. Only .tgz, .json
+and .log files are left in $OUT (at most 8 files come back).
 
-1. command: bash .gpu_tools/device_setup.sh stash .gpu_vllm/part1
-   carry: [".gpu_vllm/part1", ".gpu_tools"]                         timeout_s: 120
-2. command: set -o pipefail; bash .gpu_tools/device_setup.sh install .gpu_vllm/part2 > $OUT/setup.log 2>&1 \
-              || { tail -20 $OUT/setup.log; exit 1; }; bash bench/gpu_device.sh setup && \
-              ORDER=flatfare-first TAG_SUFFIX=-s2 timeout 560 bash bench/gpu_device.sh run 8b 1 $OUT/gpu_8b_s2
-   carry: [".gpu_vllm/part2", ".gpu_tools", ".gpu_wheels"]          timeout_s: 600   (~6 min: 8B, both systems)
-3. (optional, same machine) the 1B shape, which is CPU-bound when served, with repeats:
-   command: timeout 560 bash bench/gpu_device.sh run 1b 2 $OUT/gpu_1b
-   carry: [".gpu_tools", ".gpu_wheels"]                              timeout_s: 600
-   Environment knobs of gpu_device.sh run: ORDER=flatfare-first, SYSTEMS="flatfare", TAG_SUFFIX=-x,
-   REQUESTS="10 96 500 500", GATEWAY_PROCESSES=N, ENGINE_OPTIONS='{"load_format": "dummy",
-   "max_num_batched_tokens": 8192, "max_num_seqs": 1024}' (vllm serve's own defaults on an H200, given
-   to both: what the embedded worker gets once it asks for the API server's defaults).
-Then: python -m bench gpu report <files_at>/gpu_8b_s2.tgz [more .tgz ...]
+1. (~1-2 min with the cold start)  timeout_s: 120   carry: [".gpu_vllm/part1", ".gpu_tools"]
+bash .gpu_tools/device_setup.sh stash .gpu_vllm/part1
+
+2. (~8-8.5 min)  timeout_s: 600   carry: [".gpu_vllm/part2", ".gpu_tools", ".gpu_wheels"]
+export END_BY=$(($(date +%s)+585)); bash .gpu_tools/device_setup.sh install .gpu_vllm/part2 > $OUT/setup.log 2>&1 && bash bench/gpu_device.sh setup >> $OUT/setup.log 2>&1 || { tail -30 $OUT/setup.log; exit 1; }; tail -3 $OUT/setup.log; GATEWAY_PROCESSES=4 REPEATS=3 PYSPY=15 REQUESTS="8 64 256 512" TAG_SUFFIX=-s4 bash bench/gpu_device.sh run 8b 1 $OUT/gpu_8b
+
+   Setup ~45 s, then 8B: vllm serve, then Flatfare, one start each (~105-125 s), 3 repeats of concurrency
+   1 16 64 256 (~30 s a repeat with these REQUESTS; 10 96 500 500 would be ~40 s and not fit), then one
+   uncounted 256-client Flatfare run under py-spy (cut first if time runs short). ~440 s of bench.engine.
+
+3. (~7.5 min)  timeout_s: 600   carry: [".gpu_tools"]
+export END_BY=$(($(date +%s)+585)); GATEWAY_PROCESSES=4 REPEATS=3 PYSPY=15 TAG_SUFFIX=-s4 bash bench/gpu_device.sh run 1b 1 $OUT/gpu_1b; bash bench/gpu_device.sh offline 1b $OUT/offline_1b
+
+   1B, the same with REQUESTS 10 96 500 500 (~20 s a repeat, ~80 s a start; ~350 s), then
+   vllm_bench.py offline (~90 s) if at least 120 s are left before END_BY, else it says "offline skipped":
+
+4. (only after "offline skipped"; ~2 min)  timeout_s: 300   carry: [".gpu_tools"]
+export END_BY=$(($(date +%s)+280)); bash bench/gpu_device.sh offline 1b $OUT/offline_1b
+
+Knobs of gpu_device.sh run (environment): REQUESTS (one per concurrency 1 16 64 256; 10 96 500 500),
+REPEATS (load runs per point per server start; 3), GATEWAY_PROCESSES (4), PYSPY=SECONDS (py-spy on the
+worker during one extra, uncounted run at 256 clients), ORDER=flatfare-first, SYSTEMS="flatfare",
+TAG_SUFFIX, ENGINE_OPTIONS (JSON given to both systems; {"load_format": "dummy"}), END_BY (epoch seconds).
+Then, here: python -m bench gpu report <files_at>/gpu_8b.tgz <files_at>/gpu_1b.tgz <files_at>/offline_1b.json
+(writes bench/results/engine_gpu-8b-s4.md and engine_gpu-1b-s4.md, with the goals beside the ratios).
 """
 
 
-def _points_files(paths: list[Path], scratch: Path) -> list[Path]:
-    found: list[Path] = []
-    for path in paths:
+def _find(paths: list[Path], scratch: Path) -> tuple[list[Path], list[Path]]:
+    """The points files and the offline results among ``paths`` (files, folders, .tgz)."""
+    points: list[Path] = []
+    offline: list[Path] = []
+    for index, path in enumerate(paths):
         if path.suffix == ".tgz" or path.name.endswith(".tar.gz"):
-            target = scratch / path.stem
+            target = scratch / f"{index}_{path.name.split('.')[0]}"  # two calls' gpu_8b.tgz stay apart
             with tarfile.open(path) as archive:
                 archive.extractall(target, filter="data")
             path = target
-        found += sorted(path.rglob("engine_gpu-*_points.json"))
-    return found
+        if path.is_file():
+            (offline if path.name.startswith("offline_") else points).append(path)
+            continue
+        points += sorted(path.rglob("engine_gpu-*_points.json"))
+        offline += sorted(path.rglob("offline_*.json"))
+    return points, offline
+
+
+def _offline_rates(files: list[Path]) -> dict[str, list[float]]:
+    """Output tok/s of each timed run of ``vllm_bench.py offline``, by shape (``offline_1b.json``: 1b)."""
+    rates: dict[str, list[float]] = {}
+    for path in files:
+        shape = path.stem.removeprefix("offline_").split("_")[0]
+        try:
+            runs = json.loads(path.read_text())["runs"]
+        except (ValueError, KeyError) as exc:
+            print(f"[gpu] {path.name}: no offline runs ({exc})", file=sys.stderr)
+            continue
+        rates.setdefault(shape, []).extend(float(r["output_tok_per_s"]) for r in runs)
+    return rates
+
+
+def _verdict(ok: bool | None) -> str:
+    return "-" if ok is None else ("**met**" if ok else "**not met**")
+
+
+def goals_section(shape: str, points: list[dict[str, Any]], offline: list[float] | None,
+                  offline_source: str) -> tuple[str, str]:
+    """The table the issue asks for: Flatfare / vLLM per concurrency (median, and the widest the runs
+    allow), TTFT at 1 client, and (1B) Flatfare's rate as a share of the offline engine's."""
+    goals = GOALS.get(shape, Goals(1.0))
+    rows = engine.summarize(points)
+    by = {(r["system"], r["concurrency"]): r for r in rows}
+    rats = {r["concurrency"]: r for r in engine.ratios(rows)}
+    offline_rate = report.median(offline) if offline else None
+    columns = ["concurrency", "vLLM direct tok/s", "Flatfare tok/s", "Flatfare / vLLM (runs' range)", "goal",
+               "TTFT p50 vLLM / Flatfare, ms (diff)"]
+    if offline_rate:
+        columns.append("Flatfare / offline")
+    cells = []
+    ratio_ok: list[bool] = []
+    for conc in sorted({r["concurrency"] for r in rows}):
+        v, f, rat = by.get(("vllm", conc)), by.get(("flatfare", conc)), rats.get(conc)
+        judged = not goals.ratio_at or conc in goals.ratio_at
+        ok = None if rat is None or not judged else rat["tok_s_ratio"] >= goals.min_ratio
+        if ok is not None:
+            ratio_ok.append(ok)
+        ratio = "-" if rat is None else (f"{report.fmt(rat['tok_s_ratio'], 2)} ({report.fmt(rat['tok_s_ratio_min'], 2)}"
+                                         f"-{report.fmt(rat['tok_s_ratio_max'], 2)})")
+        ttft = (f"{report.fmt(v['ttft_p50_ms'])} / {report.fmt(f['ttft_p50_ms'])} "
+                f"({f['ttft_p50_ms'] - v['ttft_p50_ms']:+.1f})" if v and f and v["ttft_p50_ms"] is not None
+                and f["ttft_p50_ms"] is not None else "-")
+        row = [conc, engine.spread(v, "output_tok_per_s") if v else "-",
+               engine.spread(f, "output_tok_per_s") if f else "-", ratio,
+               f">= {goals.min_ratio:.2f}: {_verdict(ok)}" if judged else "-", ttft]
+        if offline_rate:
+            row.append(report.fmt(f["output_tok_per_s"] / offline_rate, 2) if f else "-")
+        cells.append(row)
+    lines = [report.markdown_table(columns, cells), ""]
+    judged_at = "at " + ", ".join(map(str, goals.ratio_at)) if goals.ratio_at else "at every concurrency"
+    lines.append(f"- Output tok/s, Flatfare / vLLM direct >= {goals.min_ratio:.2f} {judged_at}: "
+                 f"{_verdict(all(ratio_ok) if ratio_ok else None)} (met at {sum(ratio_ok)} of {len(ratio_ok)}).")
+    if goals.ttft_c1_ms is not None:
+        v, f = by.get(("vllm", 1)), by.get(("flatfare", 1))
+        diff = None if not (v and f) or None in (v["ttft_p50_ms"], f["ttft_p50_ms"]) \
+            else f["ttft_p50_ms"] - v["ttft_p50_ms"]
+        lines.append(f"- TTFT p50 at 1 client within +{goals.ttft_c1_ms:g} ms of vLLM direct: "
+                     f"{'-' if diff is None else f'{diff:+.1f} ms'}, "
+                     f"{_verdict(None if diff is None else diff <= goals.ttft_c1_ms)}.")
+    flatfare = [r for r in rows if r["system"] == "flatfare" and r["output_tok_per_s"] is not None]
+    if offline_rate and flatfare:
+        best = max(flatfare, key=lambda r: r["output_tok_per_s"])
+        share = best["output_tok_per_s"] / offline_rate
+        goal = (f" (goal >= {goals.offline_share:.2f}: {_verdict(share >= goals.offline_share)})"
+                if goals.offline_share is not None else "")
+        lines.append(f"- Offline engine (`vllm_bench.py offline`: vllm.LLM, 512 prompts of 512 random tokens, 128 out, "
+                     f"ignore_eos), {offline_source}: {report.fmt(offline_rate)} output tok/s (runs: "
+                     f"{' / '.join(report.fmt(x) for x in offline)}). Flatfare's best median, at "
+                     f"{best['concurrency']} clients: {report.fmt(best['output_tok_per_s'])} tok/s = "
+                     f"{share:.2f} of it{goal}.")
+    elif goals.offline_share is not None:
+        lines.append(f"- Flatfare >= {goals.offline_share:.2f} of the offline engine's rate: no offline figure.")
+    return "Against the goals (medians over all runs; range: Flatfare's worst / vLLM's best to the reverse)", \
+        "\n".join(lines)
+
+
+def pyspy_sections(files: list[Path]) -> list[tuple[str, str]]:
+    """What py-spy saw in the worker during the extra run: the GIL's busy share and where its time went."""
+    from bench.profile import analyse  # the same analysis as `python -m bench profile`
+
+    sections = []
+    for path in files:
+        summary = json.loads(path.read_text())
+        run = summary.get("run") or {}
+        busy = report.fmt(summary.get("worker_gil_busy_share"), 2)
+        lines = [(f"One extra run (not counted) at {summary['concurrency']} clients, {summary['requests']} requests: "
+                  f"{report.fmt(run.get('output_tok_per_s'))} tok/s; py-spy --nonblocking, {summary['rate']} Hz for "
+                  f"{summary['seconds']} s on the worker (pid {summary['worker_pid']})."),
+                 (f"- The worker held the GIL in {busy} of the sampling time (samples / rate x seconds; near 1.00: "
+                  "the worker's Python loop is the bottleneck)."),
+                 (f"- CPU in the run: worker (with vLLM's engine core) {report.fmt(run.get('worker_cpu_s'))} s, gateway "
+                  f"processes {report.fmt(run.get('gateway_cpu_s'))} s, over {report.fmt(run.get('elapsed_s'))} s.")]
+        for proc, count in (summary.get("worker", {}).get("samples_by_process") or {}).items():
+            lines.append(f"- Active samples, {proc.replace('|', '/')}: {count}")
+        gil = path.with_name(path.stem + "_worker-gil.txt.gz")
+        if gil.exists():
+            with gzip.open(gil, "rt") as handle:
+                total, own, _, packages = analyse(handle.read(), top=12)
+            if total:
+                table = [(name.replace("|", "\\|"), f"{100 * n / total:.1f} %") for name, n in own]
+                lines += ["", "GIL holder, own time by function:", "",
+                          report.markdown_table(["function", "share"], table), "", "By package:", "",
+                          report.markdown_table(["package", "share"], [(n, f"{100 * c / total:.1f} %")
+                                                                      for n, c in packages])]
+        sections.append((f"Worker profile ({path.stem.split('_pyspy_')[0].removeprefix('engine_')})", "\n".join(lines)))
+    return sections
+
+
+def _device_date(md: Path) -> str | None:
+    match = re.search(r"^\| date \| ([^|]+) \|", md.read_text(), re.MULTILINE) if md.exists() else None
+    return match.group(1).strip() if match else None
 
 
 def report_results(paths: list[Path], out: Path) -> int:
     by_shape: dict[str, list[dict]] = {}
+    tags: dict[str, set[str]] = {}
     sources: dict[str, list[str]] = {}
+    profiles: dict[str, list[Path]] = {}
+    dates: set[str] = set()
     with tempfile.TemporaryDirectory() as tmp:
-        files = _points_files(paths, Path(tmp))
+        files, offline_files = _find(paths, Path(tmp))
+        offline = _offline_rates(offline_files)
         if not files:
             print("no engine_gpu-*_points.json found", file=sys.stderr)
             return 2
@@ -129,34 +293,60 @@ def report_results(paths: list[Path], out: Path) -> int:
             for p in points:
                 p["round"] = f"{session.lstrip('-')}.{p['round']}"
             by_shape.setdefault(shape, []).extend(points)
-            sources.setdefault(shape, []).append(points_file.parent.name)
-            logs = points_file.parent / f"engine_{tag}_logs"
-            md = points_file.parent.parent / f"engine_{tag}.md"
+            tags.setdefault(shape, set()).add(tag)
+            # The folder the device wrote (gpu_8b/raw/engine_..._points.json: gpu_8b).
+            where = points_file.parent.parent if points_file.parent.name == "raw" else points_file.parent
+            sources.setdefault(shape, []).append(where.name)
+            raw_dir = points_file.parent
+            md = raw_dir.parent / f"engine_{tag}.md"
             keep = out / "raw" / f"engine_{tag}"
             keep.mkdir(parents=True, exist_ok=True)
-            if md.exists():
-                shutil.copy2(md, keep / md.name)
-            smi = points_file.parent.parent / "nvidia-smi.csv"
-            if smi.exists():
-                shutil.copy2(smi, keep / smi.name)
+            for extra in [md, raw_dir.parent / "nvidia-smi.csv", *sorted(raw_dir.glob(f"engine_{tag}_pyspy_*"))]:
+                if extra.exists():
+                    shutil.copy2(extra, keep / extra.name)
+            if (date := _device_date(md)) is not None:
+                dates.add(date)
+            profiles.setdefault(shape, []).extend(sorted(keep.glob(f"engine_{tag}_pyspy_r*[0-9].json")))
+            logs = raw_dir / f"engine_{tag}_logs"
             if logs.exists():
                 for log in logs.iterdir():
                     shutil.copy2(log, keep / log.name)
             shutil.copy2(points_file, out / "raw" / points_file.name)
+        for path in offline_files:
+            shutil.copy2(path, out / "raw" / path.name)
     device_info = {"device": "nvidia-h200 (device tool), 1 x H200, 16 CPU cores; vLLM 0.26.0, torch 2.11.0+cu130",
-                   "date": report.machine()["date"], "flatfare commit": report.machine()["flatfare commit"]}
+                   "date": ", ".join(sorted(dates)) or report.machine()["date"],
+                   "flatfare commit": report.machine()["flatfare commit"]}
     for shape, points in by_shape.items():
-        rounds = sorted({p["round"] for p in points})
+        # One session's tag names the files (engine_gpu-8b-s4.md); several sessions merge into engine_gpu-8b.md.
+        tag = next(iter(tags[shape])) if len(tags[shape]) == 1 else f"gpu-{shape}"
+        runs: dict[str, set[int]] = {}
+        for p in points:
+            runs.setdefault(p["round"], set()).add(p.get("repeat", 0))
+        requests = sorted({(p["concurrency"], p["requests"]) for p in points if "requests" in p})
+        gateways = sorted({str(p.get("gateway_processes", "not recorded")) for p in points if p["system"] == "flatfare"})
+        options = sorted({p["engine_options"] for p in points if "engine_options" in p})
+        measured = offline.get(shape)
+        reference = measured or (OFFLINE_REFERENCE.get(shape) if GOALS.get(shape, Goals(1.0)).offline_share else None)
+        source = "measured in this session" if measured else "not measured here: the 2026-12-02 reference run of " \
+                 "shared/device/README.md, same machine kind"
         settings = {"model": f"Llama-{shape.upper()} shape, random weights (--load-format dummy), SmolLM2 vocab",
-                    "engine options (both)": '{"load_format": "dummy"} + vLLM 0.26 defaults (bf16, compile, '
-                    'CUDA graphs, prefix caching, chunked prefill)',
+                    "engine options (both)": (", ".join(options) if options else '{"load_format": "dummy"}') +
+                    " + vLLM 0.26 defaults (bf16, compile, CUDA graphs, prefix caching, chunked prefill)",
                     "input / output tokens": "512 / 128 (ignore_eos, random token ids, fresh per run)",
-                    "concurrency: requests": "1: 10, 16: 96, 64: 500, 256: 500",
-                    "runs (device session.round)": ", ".join(rounds), "client": "bench.loadgen, streaming "
-                    "/v1/completions, on the device", "gateway processes": 1, "results from": ", ".join(sources[shape])}
-        engine.write_results(out, f"gpu-{shape}", f"GPU {shape.upper()}: Flatfare against vllm serve on an H200",
-                             points, device_info, settings)
-        print(f"[gpu] wrote {out / f'engine_gpu-{shape}.md'} ({len(points)} runs)")
+                    "concurrency: requests": ", ".join(f"{c}: {n}" for c, n in requests) or
+                    "not recorded (1: 10, 16: 96, 64: 500, 256: 500 in the first sessions)",
+                    "runs (device session.round: repeats on one server start)":
+                    ", ".join(f"{r}: {len(reps)}" for r, reps in sorted(runs.items())),
+                    "client": "bench.loadgen, streaming /v1/completions, on the device",
+                    "gateway processes (Flatfare)": ", ".join(gateways) or "-",
+                    "results from": ", ".join(sources[shape])}
+        if shape in offline:
+            settings["offline engine runs (output tok/s)"] = " / ".join(report.fmt(x) for x in offline[shape])
+        sections = [goals_section(shape, points, reference, source), *pyspy_sections(profiles.get(shape, []))]
+        engine.write_results(out, tag, f"GPU {shape.upper()}: Flatfare against vllm serve on an H200",
+                             points, device_info, settings, sections=sections)
+        print(f"[gpu] wrote {out / f'engine_{tag}.md'} ({len(points)} runs)")
     return 0
 
 
