@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 from billing.quota import EPOCH_KEY, QUOTA_CHECK, QUOTA_COUNT, REBUILT, DailyQuota, QuotaUnavailable, counter_key
 from flatfare import contract
@@ -162,7 +163,12 @@ class LaneQueue:
                 *_flat(job)]
         for _ in range(50):
             try:
-                outcome, used, *rest = await self._admit_counted(keys=keys, args=args)
+                try:
+                    # EVALSHA directly: redis-py's Script.__call__ adds an isinstance check against a
+                    # Protocol class and copies its arguments, a visible cost on this path.
+                    outcome, used, *rest = await self._redis.evalsha(self._admit_counted.sha, 3, *keys, *args)
+                except NoScriptError:  # a restarted or flushed server: load it through redis-py
+                    outcome, used, *rest = await self._admit_counted(keys=keys, args=args)
             except (aioredis.RedisError, OSError) as exc:
                 raise QuotaUnavailable(str(exc)) from exc
             if outcome != REBUILT:

@@ -142,6 +142,24 @@ def test_idempotent_retry_is_not_counted_or_charged_twice(qstack) -> None:
     assert qstack.sql("SELECT count(*) FROM requests WHERE account_id = :a", a=account_id)[0][0] == 2
 
 
+def test_a_ledger_that_cannot_record_the_request_answers_503_and_charges_nothing(qstack) -> None:
+    """The row is written while the job runs; no answer may leave without it. If it cannot be written,
+    the client gets 503, the unit comes back and nothing is recorded or charged."""
+    account_id, key = _account(qstack, "no-ledger", limit=5)
+    qstack.sql("ALTER TABLE requests RENAME TO requests_away")
+    try:
+        refused = _post(qstack, key, {"model": MODEL, "messages": MESSAGES})
+    finally:
+        qstack.sql("ALTER TABLE requests_away RENAME TO requests")
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "ledger_unavailable"
+    assert _counter(qstack, account_id) == 0
+    assert _post(qstack, key, {"model": MODEL, "messages": MESSAGES}).status_code == 200
+    _wait_closed(qstack, account_id)
+    assert _counter(qstack, account_id) == 1
+    assert qstack.sql("SELECT count(*) FROM requests WHERE account_id = :a", a=account_id)[0][0] == 1
+    assert qstack.sql("SELECT count(*) FROM usage_outbox WHERE account_id = :a", a=account_id)[0][0] == 1
+
+
 def test_usage_endpoint(qstack) -> None:
     account_id, key = _account(qstack, "usage", limit=10)
     for _ in range(3):
