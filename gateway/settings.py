@@ -13,8 +13,9 @@ from flatfare.settings import CommonSettings
 class GatewaySettings(CommonSettings):
     host: str = "127.0.0.1"
     port: int = 8000
-    # The HTTP server of `flatfare gateway`: uvicorn (httptools, uvloop) or granian (Rust).
-    server: Literal["uvicorn", "granian"] = "uvicorn"
+    # The HTTP server of `flatfare gateway`: granian (Rust; ~30 % less CPU a request than uvicorn in
+    # bench/results/profile*.md) or uvicorn (httptools, uvloop).
+    server: Literal["uvicorn", "granian"] = "granian"
     # Largest request body accepted, in bytes (plans may lower it); larger ones get 413.
     max_body_bytes: int = 8 * 1024 * 1024
     # How long a request may wait for its worker's answer, queued and running together.

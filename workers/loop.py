@@ -45,6 +45,10 @@ class EngineLike(Protocol):
 
 
 PREFIX_TTL_S = 300
+# A job claimed this soon after it was queued cannot have been cancelled yet: a gateway starts
+# watching for its client only after 50 ms without a reply (gateway.completions.WATCH_AFTER_S). Such
+# jobs skip the cancellation check, a round trip on the path of every fast request.
+FRESH_JOB_MS = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +267,8 @@ class WorkerLoop:
     async def _checks(self, job: Job, reclaimed: bool) -> _Checks:
         """Whether the client went away while the job waited and (for a takeover) whether output
         already went out. Jobs claimed together share one round trip for these."""
+        if not reclaimed and now_ms() - job.enqueued_ms < FRESH_JOB_MS:
+            return _Checks(cancelled=False, begun=False)
         keys = [contract.cancel_key(job.request_id)]
         if reclaimed:
             keys.append(contract.begun_key(job.request_id))
