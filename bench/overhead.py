@@ -30,7 +30,7 @@ from bench.stack import FlatfareStack, http_get
 MODEL = "instant"
 TOKENS = 16
 CHAT_PATH = "/v1/chat/completions"
-FLATFARE_TARGETS = ("flatfare", "flatfare-granian", "flatfare-pg")
+FLATFARE_TARGETS = ("flatfare", "flatfare-granian", "flatfare-uvicorn", "flatfare-pg")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,8 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--postgres", metavar="SERVER_URL", default="",
                         help="also run Flatfare on PostgreSQL (a temporary database on this server, dropped after), "
                         "e.g. postgresql://postgres@127.0.0.1:5432/test")
-    parser.add_argument("--servers", nargs="+", default=["uvicorn"], choices=["uvicorn", "granian"],
-                        help="the gateway's HTTP servers to run (flatfare = uvicorn, flatfare-granian)")
+    parser.add_argument("--servers", nargs="+", default=["granian", "uvicorn"], choices=["granian", "uvicorn"],
+                        help="the gateway's HTTP servers to run: the first is target 'flatfare', others "
+                        "'flatfare-<server>'")
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 round, 2 concurrencies, 2 s")
     parser.add_argument("--out", type=Path, default=report.RESULTS_DIR)
@@ -190,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
             upstream, upstream_url = start_upstream(group, workdir, rest_cpus)
             targets: dict[str, tuple[str, str, dict[str, int], list[str]]] = {}
             # target -> (ledger's PostgreSQL server or "" for SQLite, HTTP server)
-            variants = {("flatfare" if http == "uvicorn" else f"flatfare-{http}"): ("", http) for http in args.servers}
+            variants = {("flatfare" if i == 0 else f"flatfare-{http}"): ("", http) for i, http in enumerate(args.servers)}
             if args.postgres:
                 variants["flatfare-pg"] = (args.postgres, args.servers[0])
             for name, (server, http) in variants.items():
@@ -236,7 +237,8 @@ def run(args: argparse.Namespace) -> int:
                 "warm-up s": args.warmup, "tokens per answer": TOKENS, "endpoint": CHAT_PATH,
                 "placement": f"proxy under test on CPU {proxy_cpus}, the rest on CPU {rest_cpus}"
                 if proxy_cpus else "not pinned",
-                "flatfare": "1 gateway process (uvicorn; flatfare-granian: granian), 1 worker --engine instant, "
+                "flatfare": f"1 gateway process ({args.servers[0]}; "
+                + ", ".join(f"flatfare-{h}: {h}" for h in args.servers[1:]) + "), 1 worker --engine instant, "
                 "private redis-server, SQLite" + (" (flatfare-pg: the same on a temporary PostgreSQL database)"
                                                   if args.postgres else ""),
                 "litellm": "1 proxy worker, master key, global_max_parallel_requests 10000, deployment rpm 1e7",

@@ -1,4 +1,5 @@
-"""``create_app(settings)``: the gateway's FastAPI application and the lifespan that owns its clients."""
+"""``create_app(settings)``: the gateway's ASGI application (FastAPI behind the completion routes) and the
+lifespan that owns its clients."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from gateway.replies import Replies, ReplyRouter
 from gateway.settings import GatewaySettings
 
 
-def create_app(settings: GatewaySettings | None = None) -> FastAPI:
+def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
     settings = settings or GatewaySettings()
     if not settings.redis_url:
         raise RuntimeError("set FLATFARE_REDIS_URL: the gateway needs the Redis its workers use")
@@ -90,12 +91,11 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     install_handlers(app)
     app.add_middleware(RateLimitHeaders)
     app.add_middleware(RequestObserver, metrics=metrics)
-    # Outermost: the two completion routes are served here, before routing and the middlewares above.
-    app.add_middleware(CompletionRoutes, metrics=metrics)
     app.include_router(routes.router)
     app.include_router(usage.router)
     app.include_router(billing_routes.router)
     app.include_router(admin.router)
     app.include_router(health.router)
     app.include_router(metrics_router)
-    return app
+    # The two completion routes are served in front of FastAPI, outside its routing and middlewares.
+    return CompletionRoutes(app, metrics)

@@ -1,19 +1,44 @@
 """Wire models that validate OpenAI request bodies before anything is queued.
 
-They check what the gateway must refuse early (shapes, types, ranges) and allow extra fields,
-which go to the engine untouched: vLLM validates those exactly as ``vllm serve`` does.
+They check what the gateway must refuse early (shapes, types, ranges, and what would cost the
+engine far more than the request's size: see :mod:`gateway.limits` and :mod:`gateway.media`) and
+allow extra fields, which go to the engine untouched: vLLM validates those exactly as ``vllm serve``
+does. Those checks raise :class:`~gateway.errors.APIError` naming the parameter, which pydantic
+lets through unchanged.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from gateway import limits, media
+from gateway.errors import invalid
 
 MAX_N = 128
+# OpenAI's bounds: best_of up to 20, 20 log probabilities per token, 300 biased tokens.
+MAX_BEST_OF = 20
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300
+MAX_STOP = 16
+MAX_STOP_CHARS = 512
 _Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 _Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-_Stop = str | Annotated[list[str], Field(max_length=16)]
+_StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+_Stop = _StopText | Annotated[list[_StopText], Field(max_length=MAX_STOP)]
+
+# Fields vLLM accepts that a platform serving strangers does not: each changes what the engine loads
+# or runs beyond the request's own tokens (vLLM 0.32 refuses the first three by default too; older
+# engines may not).
+REFUSED_FIELDS = {
+    "chat_template": "the model's own chat template is always used.",
+    "mm_processor_kwargs": "multimodal processing options are set by the platform.",
+    "media_io_kwargs": "media loading options are set by the platform.",
+    "prompt_embeds": "send text or token ids; embeddings are not accepted.",
+    "kv_transfer_params": "KV-cache transfer is internal to the platform.",
+    "ec_transfer_params": "encoder-cache transfer is internal to the platform.",
+}
 
 
 class _Body(BaseModel):
@@ -43,9 +68,32 @@ class _Sampling(_Body):
     seed: int | None = None
     stop: _Stop | None = None
     user: str | None = None
+    # vLLM extensions, bounded like OpenAI's own parameters.
+    best_of: Annotated[int, Field(ge=1, le=MAX_BEST_OF)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def output_tokens(self) -> int | None:
         return self.max_tokens
+
+    @model_validator(mode="after")
+    def _bounded(self) -> Self:
+        # Most requests carry none of these: the checks cost them two attribute reads.
+        extra = self.model_extra
+        if extra:
+            for name in extra.keys() & REFUSED_FIELDS.keys():
+                if extra[name] is not None:
+                    raise limits.refuse_field(name, REFUSED_FIELDS[name])
+        if self.best_of is not None and self.best_of < (self.n or 1):
+            raise invalid(f"best_of ({self.best_of}) must be at least n ({self.n}).", param="best_of")
+        if extra or self.structured_outputs is not None or getattr(self, "response_format", None) is not None:
+            limits.check_constraints(dict(self))  # declared and extra fields alike
+        self._check_content()
+        return self
+
+    def _check_content(self) -> None:
+        """What the endpoint's own fields must pass (tools, media)."""
 
 
 class ChatCompletionRequest(_Sampling):
@@ -55,10 +103,17 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     def output_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def _check_content(self) -> None:
+        if self.tools:
+            limits.check_tools(self.tools)
+        if any(type(message.content) is list for message in self.messages):  # text-only: nothing to fetch
+            for ref in media.media_refs(self.messages):
+                media.check_media(ref)
 
 
 _Prompt = str | list[str] | list[int] | list[list[int]]
@@ -67,5 +122,5 @@ _Prompt = str | list[str] | list[int] | list[list[int]]
 class CompletionRequest(_Sampling):
     prompt: _Prompt
     echo: bool | None = None
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     suffix: str | None = None
