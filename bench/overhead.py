@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--postgres", metavar="SERVER_URL", default="",
                         help="also run Flatfare on PostgreSQL (a temporary database on this server, dropped after), "
                         "e.g. postgresql://postgres@127.0.0.1:5432/test")
-    parser.add_argument("--servers", nargs="+", default=["granian", "uvicorn"], choices=["granian", "uvicorn"],
+    parser.add_argument("--servers", nargs="+", default=["uvicorn", "granian"], choices=["uvicorn", "granian"],
                         help="the gateway's HTTP servers to run: the first is target 'flatfare', others "
                         "'flatfare-<server>'")
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")

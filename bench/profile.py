@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     parser.add_argument("--postgres", metavar="SERVER_URL", default="",
                         help="run the ledger on a temporary PostgreSQL database instead of SQLite")
-    parser.add_argument("--server", default="granian", choices=["granian", "uvicorn"], help="the gateway's HTTP server")
+    parser.add_argument("--server", default="uvicorn", choices=["uvicorn", "granian"], help="the gateway's HTTP server")
     parser.add_argument("--quick", action="store_true", help="5 s per mode")
     parser.add_argument("--out", type=Path, default=report.RESULTS_DIR)
 
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     proxy_cpus, rest_cpus = overhead.placement(False)
     load_before = report.load_average()
     report.mark_start()
-    suffix = ("_pg" if args.postgres else "") + ("_uvicorn" if args.server == "uvicorn" else "")
+    suffix = ("_pg" if args.postgres else "") + ("_granian" if args.server == "granian" else "")
     # granian serves from a child process of the one started.
     children = ["--subprocesses"] if args.server == "granian" else []
     sections = []

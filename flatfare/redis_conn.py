@@ -52,9 +52,10 @@ def connect(url: str) -> aioredis.Redis:
 
 
 def without_read_timeouts(client: aioredis.Redis) -> aioredis.Redis:
-    """A client to the same server whose reads carry no timeout each: redis-py wraps every reply it
-    reads in an ``asyncio.timeout`` (a pipeline of 200 replies: 200 timers), which was an eighth of
-    the worker's CPU. Callers bound a whole pipeline with one ``asyncio.timeout(SOCKET_TIMEOUT_S)``."""
+    """A client to the same server whose sends and reads carry no timeout each: redis-py wraps every
+    send in ``asyncio.wait_for`` and every reply it reads in an ``asyncio.timeout`` (a pipeline of 200
+    replies: 200 timers), which was an eighth of the worker's CPU. Callers bound a whole pipeline or
+    command with one ``asyncio.timeout(SOCKET_TIMEOUT_S)``."""
     pool = client.connection_pool
     kwargs = {**pool.connection_kwargs, "socket_timeout": None}
     return aioredis.Redis(connection_pool=aioredis.ConnectionPool(connection_class=pool.connection_class,

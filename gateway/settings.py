@@ -13,9 +13,10 @@ from flatfare.settings import CommonSettings
 class GatewaySettings(CommonSettings):
     host: str = "127.0.0.1"
     port: int = 8000
-    # The HTTP server of `flatfare gateway`: granian (Rust; ~30 % less CPU a request than uvicorn in
-    # bench/results/profile*.md) or uvicorn (httptools, uvloop).
-    server: Literal["uvicorn", "granian"] = "granian"
+    # The HTTP server of `flatfare gateway`: uvicorn (httptools, uvloop) or granian (Rust). Measured
+    # side by side in bench/results/overhead.md: the same requests/s a core from 32 clients on, each
+    # ahead at some low concurrencies; uvicorn stays the default.
+    server: Literal["uvicorn", "granian"] = "uvicorn"
     # Largest request body accepted, in bytes (plans may lower it); larger ones get 413.
     max_body_bytes: int = 8 * 1024 * 1024
     # How long a request may wait for its worker's answer, queued and running together.

@@ -21,6 +21,17 @@ from typing import Any
 from flatfare.contract import Endpoint
 
 
+# vLLM fetches a request's media URLs itself (aiohttp, which honours HTTPS_PROXY). The gateway checked
+# each URL's host; a redirect would take the fetch somewhere it did not check (169.254.169.254, say),
+# so none is followed. One image may cost at most 20 MB downloaded and 7680 x 4320 pixels decoded (the
+# gateway's bound for inline images, gateway/media.py). An operator's own value of any of these wins.
+MEDIA_LIMITS = {
+    "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0",
+    "VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB": "20",
+    "VLLM_MAX_IMAGE_PIXELS": "33177600",
+}
+
+
 class EngineError(Exception):
     """The engine could not be built or failed; the message says what to change."""
 
@@ -107,6 +118,8 @@ class Engine:
 
     async def start(self) -> None:
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+        for name, value in MEDIA_LIMITS.items():
+            os.environ.setdefault(name, value)
         if self._logging_config is not None:
             _use_logging_config(self._logging_config)
         from starlette.datastructures import State
@@ -154,6 +167,13 @@ class Engine:
         config = self._llm.vllm_config
         self.max_model_len = int(config.model_config.max_model_len)
         self.max_num_seqs = int(config.scheduler_config.max_num_seqs)
+        # vLLM reads its settings from the environment on every access (vllm.envs.__getattr__); its
+        # engine core caches them once started, its API server does not. In this process that was 13 %
+        # of the GIL at 256 clients on the GPU (1B shape, bench/results/engine_gpu-1b-s4.md): cache
+        # them now, as vLLM's engine core does. Nothing changes them after the engine starts.
+        from vllm import envs
+
+        getattr(envs, "enable_envs_cache", lambda: None)()
 
     async def run(self, endpoint: Endpoint, body: dict[str, Any]) -> EngineResult:
         """Run one OpenAI request. Cancel the task iterating ``stream`` to abort it in the engine."""

@@ -113,6 +113,7 @@ class WorkerLoop:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
             await self.replies.stop()
+            await self._lookups.aclose()
             await self.presence.stop()
 
     @property
