@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any, Protocol
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,7 +23,7 @@ from sqlalchemy import Connection, bindparam, func, insert, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from flatfare.storage.db import sqlite_writer
+from billing.ledger_sqlite import SqliteWriter
 from flatfare.storage.models import OutboxStatus, RequestRecord, RequestStatus, UsageOutbox
 
 
@@ -81,7 +82,7 @@ class Ledger:
     def __init__(self, sessions: async_sessionmaker[AsyncSession]) -> None:
         self._sessions = sessions
         self._engine: AsyncEngine = sessions.kw["bind"]
-        self._writer_engine = sqlite_writer(self._engine)
+        self._writer_engine = SqliteWriter.for_engine(self._engine)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger") if self._writer_engine else None
         self._pending: list[_Write] = []
         self._writer: asyncio.Task[None] | None = None
@@ -166,16 +167,15 @@ class Ledger:
             await asyncio.get_running_loop().run_in_executor(self._thread, self._commit_in_thread, batch)
             return
         async with self._engine.begin() as conn:
-            await conn.run_sync(_write_batch, batch)
+            await conn.run_sync(lambda sync: _write_batch(_Core(sync), batch))
 
     def _commit_in_thread(self, batch: list[_Write]) -> None:
-        with self._writer_engine.begin() as conn:  # type: ignore[union-attr]
-            _write_batch(conn, batch)
+        self._writer_engine.transaction(lambda db: _write_batch(db, batch))  # type: ignore[union-attr]
 
     def dispose(self) -> None:
         """Close the SQLite writer's connection and thread (nothing to do for other databases)."""
         if self._writer_engine is not None:
-            self._writer_engine.dispose()
+            self._thread.submit(self._writer_engine.close)  # type: ignore[union-attr]
             self._thread.shutdown(wait=False)  # type: ignore[union-attr]
 
     async def find_idempotent(self, account_id: int, idempotency_key: str) -> RequestRecord | None:
@@ -213,7 +213,42 @@ async def daily_usage(sessions: async_sessionmaker[AsyncSession], account_id: in
         return [{"day": day, "model": model, "requests": count} for day, model, count in rows]
 
 
-def _write_batch(conn: Connection, batch: list[_Write]) -> None:
+class _Statements(Protocol):
+    """The four statements of a ledger transaction, on one open transaction."""
+
+    def insert_opens(self, rows: list[dict[str, Any]]) -> None: ...
+
+    def queued(self, ids: list[str]) -> list[tuple[str, bool, int, int, str | None]]: ...
+
+    def close_rows(self, updates: list[dict[str, Any]]) -> None: ...
+
+    def insert_meters(self, meters: list[dict[str, Any]]) -> None: ...
+
+
+class _Core:
+    """The statements as SQLAlchemy Core, for any database (asyncpg's PostgreSQL, through run_sync)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+
+    def insert_opens(self, rows: list[dict[str, Any]]) -> None:
+        self._conn.execute(_OPEN, rows)
+
+    def queued(self, ids: list[str]) -> list[tuple[str, bool, int, int, str | None]]:
+        return [tuple(row) for row in self._conn.execute(  # type: ignore[misc]
+            select(_REQUESTS.c.id, _REQUESTS.c.billable, _REQUESTS.c.price_micros, _REQUESTS.c.account_id,
+                   _REQUESTS.c.quota_day)
+            .where(_REQUESTS.c.id.in_(ids), _REQUESTS.c.status == RequestStatus.QUEUED.value)
+            .with_for_update())]
+
+    def close_rows(self, updates: list[dict[str, Any]]) -> None:
+        self._conn.execute(_CLOSE, [{f"b_{k}": v for k, v in u.items()} for u in updates])
+
+    def insert_meters(self, meters: list[dict[str, Any]]) -> None:
+        self._conn.execute(_METER, meters)
+
+
+def _write_batch(db: _Statements, batch: list[_Write]) -> None:
     """One transaction's statements (the caller begins and commits it)."""
     opens = [w.opening for w in batch if w.opening is not None]
     closes: dict[str, Outcome] = {}
@@ -222,33 +257,29 @@ def _write_batch(conn: Connection, batch: list[_Write]) -> None:
             closes.setdefault(write.request_id, write.outcome)  # the first close of a row wins
     now = datetime.now(UTC)
     if opens:
-        conn.execute(_OPEN, opens)
+        db.insert_opens(opens)
     if not closes:
         return
-    queued = conn.execute(
-        select(_REQUESTS.c.id, _REQUESTS.c.billable, _REQUESTS.c.price_micros, _REQUESTS.c.account_id,
-               _REQUESTS.c.quota_day)
-        .where(_REQUESTS.c.id.in_(closes), _REQUESTS.c.status == RequestStatus.QUEUED.value)
-        .with_for_update()).all()
+    queued = db.queued(list(closes))
     if not queued:
         return
     updates, meters = [], []
-    for row in queued:
-        outcome = closes[row.id]
-        billable = row.billable and outcome.billable
+    for request_id, row_billable, price_micros, account_id, quota_day in queued:
+        outcome = closes[request_id]
+        billable = bool(row_billable) and outcome.billable
         updates.append({
-            "b_id": row.id, "b_status": outcome.status.value, "b_http_status": outcome.http_status,
-            "b_finished_at": now, "b_queue_ms": outcome.queue_ms, "b_ttft_ms": outcome.ttft_ms,
-            "b_duration_ms": outcome.duration_ms, "b_prompt_tokens": outcome.prompt_tokens,
-            "b_completion_tokens": outcome.completion_tokens, "b_error_code": outcome.error_code,
-            "b_billable": billable})
-        if billable and row.price_micros > 0:
-            meters.append({"request_id": row.id, "account_id": row.account_id, "day": row.quota_day or "",
+            "id": request_id, "status": outcome.status.value, "http_status": outcome.http_status,
+            "finished_at": now, "queue_ms": outcome.queue_ms, "ttft_ms": outcome.ttft_ms,
+            "duration_ms": outcome.duration_ms, "prompt_tokens": outcome.prompt_tokens,
+            "completion_tokens": outcome.completion_tokens, "error_code": outcome.error_code,
+            "billable": billable})
+        if billable and price_micros > 0:
+            meters.append({"request_id": request_id, "account_id": account_id, "day": quota_day or "",
                            "created_at": now, "status": OutboxStatus.PENDING.value, "attempts": 0,
                            "next_attempt_at": now})
-    conn.execute(_CLOSE, updates)
+    db.close_rows(updates)
     if meters:
-        conn.execute(_METER, meters)
+        db.insert_meters(meters)
 
 
 def _retrieve(done: asyncio.Future[None]) -> None:

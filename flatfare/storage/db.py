@@ -6,8 +6,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from sqlalchemy import Engine, event
-from sqlalchemy import create_engine as create_sync_engine
+from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
@@ -32,26 +31,12 @@ def create_engine(url: str, *, pool_size: int = 20) -> AsyncEngine:
         if database and database != ":memory:":
             Path(database).parent.mkdir(parents=True, exist_ok=True)
         engine = create_async_engine(url, connect_args={"timeout": 30})
-        event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        event.listen(engine.sync_engine, "connect", sqlite_pragmas)
         return engine
     return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
 
 
-def sqlite_writer(engine: AsyncEngine) -> Engine | None:
-    """For a SQLite database, a plain (synchronous) engine on the same file, for a writer that runs
-    whole transactions in one thread of its own: aiosqlite hops to its thread and back for every
-    statement, fetch and commit (~17 hops, ~1 ms of CPU, per ledger transaction here). None for
-    other databases, whose asyncio drivers need no thread."""
-    url = engine.url
-    if url.get_backend_name() != "sqlite":
-        return None
-    writer = create_sync_engine(url.set(drivername="sqlite"), connect_args={"timeout": 30, "check_same_thread": False},
-                                pool_size=1, max_overflow=0)
-    event.listen(writer, "connect", _sqlite_pragmas)
-    return writer
-
-
-def _sqlite_pragmas(dbapi_connection, _record) -> None:  # noqa: ANN001 - DBAPI types
+def sqlite_pragmas(dbapi_connection, _record) -> None:  # noqa: ANN001 - DBAPI types
     # WAL lets the gateway read while another process (the CLI, a second gateway) writes.
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
