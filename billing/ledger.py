@@ -23,7 +23,7 @@ from sqlalchemy import Connection, bindparam, func, insert, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from billing.ledger_sqlite import SqliteWriter
+from billing.ledger_sqlite import Busy, SqliteWriter
 from flatfare.storage.models import OutboxStatus, RequestRecord, RequestStatus, UsageOutbox
 
 
@@ -163,8 +163,14 @@ class Ledger:
                 _settle(batch, None)
 
     async def _commit(self, batch: list[_Write]) -> None:
-        if self._writer_engine is not None:  # SQLite: the whole transaction in one thread hop
-            await asyncio.get_running_loop().run_in_executor(self._thread, self._commit_in_thread, batch)
+        if self._writer_engine is not None:  # SQLite: on the loop if the lock is free, else in the thread
+            writer = self._writer_engine
+            try:
+                writer.transaction(lambda db: _write_batch(db, batch), inline=True)
+            except Busy:
+                await asyncio.get_running_loop().run_in_executor(self._thread, self._commit_in_thread, batch)
+            if writer.checkpoint_due():
+                await asyncio.get_running_loop().run_in_executor(self._thread, writer.checkpoint)
             return
         async with self._engine.begin() as conn:
             await conn.run_sync(lambda sync: _write_batch(_Core(sync), batch))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from datetime import UTC, datetime
 
 import pytest
@@ -157,3 +158,34 @@ def test_migrations_match_the_models(database_url: str) -> None:
         diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
     engine.dispose()
     assert diff == []
+
+
+async def test_ledger_on_sqlite_waits_in_its_thread_while_another_connection_writes(tmp_path) -> None:
+    """The SQLite ledger commits on the event loop only when the write lock is free; while another
+    connection holds it, the batch waits in the writer thread, and the loop keeps serving."""
+    url = f"sqlite:///{tmp_path / 'busy.db'}"
+    migrate(url)
+    engine = create_engine(url)
+    sessions = session_factory(engine)
+    issued = await _issued_key(sessions)
+    ledger = Ledger(sessions)
+    created = datetime.now(UTC).replace(microsecond=123456)
+    blocker = sqlite3.connect(tmp_path / "busy.db", isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")  # another writer holds the lock
+    try:
+        opening = asyncio.ensure_future(ledger.open(
+            request_id="r-busy", account_id=issued.account_id, api_key_id=issued.key_id, model="m",
+            endpoint="chat", stream=False, created_at=created))
+        await asyncio.sleep(0.3)
+        assert not opening.done()  # waiting for the lock, off the loop (this sleep ran)
+    finally:
+        blocker.execute("COMMIT")
+        blocker.close()
+    await opening
+    await ledger.close("r-busy", Outcome(RequestStatus.SUCCEEDED, 200, prompt_tokens=1, completion_tokens=2))
+    async with sessions() as session:
+        row = await session.get(RequestRecord, "r-busy")
+    assert (row.status, row.completion_tokens) == ("succeeded", 2)
+    assert row.created_at.replace(tzinfo=UTC) == created  # stored as SQLAlchemy's dialect stores it
+    ledger.dispose()
+    await engine.dispose()
