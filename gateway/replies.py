@@ -32,6 +32,10 @@ log = logging.getLogger("flatfare.gateway")
 _BLOCK_MS = 1_000
 # Most entries one read returns.
 _READ_COUNT = 4096
+# Read entries are trimmed once this many have piled up (or at the TTL's renewal).
+_TRIM_EVERY = 512
+# How often the stream's TTL is renewed (it expires REPLY_TTL_S after its process stops renewing).
+_RENEW_EVERY_S = 5.0
 # Pause after a failed read (Redis restarting), so the loop does not spin.
 _RETRY_S = 0.2
 
@@ -152,22 +156,37 @@ class ReplyRouter:
 
     async def _read_loop(self) -> None:
         last = "0-0"
+        unread_trimmed = 0  # entries read since the stream was last trimmed
+        renew_at = 0.0  # when the stream's TTL is renewed next
         while True:
+            now = self._clock()
+            trim = last != "0-0" and (unread_trimmed >= _TRIM_EVERY or now >= renew_at)
+            renew = now >= renew_at
             try:
-                async with asyncio.timeout(SOCKET_TIMEOUT_S), self._reader.pipeline(transaction=False) as pipe:
-                    if last != "0-0":
-                        pipe.xtrim(self.stream, minid=last, approximate=False)  # all before the last entry is read
-                    pipe.expire(self.stream, contract.REPLY_TTL_S)
-                    pipe.xread({self.stream: last}, count=_READ_COUNT, block=_BLOCK_MS)
-                    result = (await pipe.execute())[-1]
+                async with asyncio.timeout(SOCKET_TIMEOUT_S):
+                    if trim or renew:
+                        async with self._reader.pipeline(transaction=False) as pipe:
+                            if trim:  # everything before the last entry read
+                                pipe.xtrim(self.stream, minid=last, approximate=False)
+                            if renew:
+                                pipe.expire(self.stream, contract.REPLY_TTL_S)
+                            pipe.xread({self.stream: last}, count=_READ_COUNT, block=_BLOCK_MS)
+                            result = (await pipe.execute())[-1]
+                    else:  # one command: at one request in flight, a read per reply
+                        result = await self._reader.xread({self.stream: last}, count=_READ_COUNT, block=_BLOCK_MS)
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError, TimeoutError) as exc:
                 log.warning("reading replies failed (%s); retrying", exc.__class__.__name__)
                 await asyncio.sleep(_RETRY_S)
                 continue
+            if trim:
+                unread_trimmed = 0
+            if renew:
+                renew_at = now + _RENEW_EVERY_S
             inboxes = self._inboxes
             for _stream, entries in result or ():
+                unread_trimmed += len(entries)
                 for entry_id, fields in entries:
                     last = entry_id
                     request_id = fields.get(b"i")

@@ -89,7 +89,8 @@ async def test_lost_counters_are_rebuilt_from_the_ledger_before_admitting(redis)
 
 
 async def test_the_reply_router_hands_each_entry_to_its_own_request(redis) -> None:
-    router = ReplyRouter(redis, timeout_s=5.0, gateway_id="g1")
+    clock = [1000.0]
+    router = ReplyRouter(redis, timeout_s=5.0, gateway_id="g1", clock=lambda: clock[0])
     router.start()
     try:
         first, second = router.open("a"), router.open("b")
@@ -108,7 +109,9 @@ async def test_the_reply_router_hands_each_entry_to_its_own_request(redis) -> No
         router.close(first)
         router.close(second)
         assert router.holding == 0
-        # What was read is trimmed by the next read, and the stream expires if this process dies.
+        # What was read is trimmed (every 512 entries, or when the TTL is renewed, every 5 s), and the
+        # stream expires if this process dies.
+        clock[0] += 10
         await redis.xadd(stream, Reply(ReplyKind.CHUNK, "x").to_fields("nobody"))
         for _ in range(50):
             if await redis.xlen(stream) <= 1:
