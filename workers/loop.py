@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import redis.asyncio as aioredis
 
 from flatfare import contract
-from flatfare.contract import Endpoint, Job, Lane, Reply, ReplyKind, Usage, WorkerInfo, WorkerState
+from flatfare.contract import Endpoint, Job, Reply, ReplyKind, Usage, WorkerInfo, WorkerState
 from flatfare.logs import bind, prompts_enabled
 from workers.claims import Claimed, Claimer
 from workers.metrics import WorkerMetrics
@@ -162,19 +162,12 @@ class WorkerLoop:
             self._start_all(await self.claimer.claim(free))
 
     def _start_all(self, claimed: list[Claimed]) -> None:
-        drained = {c.lane: len(c.entries) for c in claimed if c.lane is not None and not c.reclaimed}
-        if drained:
-            asyncio.create_task(self._count_drained(drained))
+        for batch in claimed:  # the lanes' drain counters leave with the next batch of replies
+            if batch.lane is not None and not batch.reclaimed and batch.entries:
+                self.replies.count(contract.drained_key(self.pool, batch.lane), len(batch.entries))
         for batch in claimed:
             for entry_id, fields in batch.entries:
                 self._start(batch, entry_id, fields)
-
-    async def _count_drained(self, drained: dict[Lane, int]) -> None:
-        with contextlib.suppress(aioredis.RedisError, OSError):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for lane, count in drained.items():
-                    pipe.incrby(contract.drained_key(self.pool, lane), count)
-                await pipe.execute()
 
     def _start(self, batch: Claimed, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         try:

@@ -23,8 +23,9 @@ from flatfare.redis_conn import SOCKET_TIMEOUT_S, without_read_timeouts
 log = logging.getLogger("flatfare.worker")
 
 # (key, reply fields, set the reply TTL, the request's begun marker to set or "", done) for a reply;
-# (stream, entry id, False, the begun marker to delete or "", done) for an acknowledgement.
-_Pending = tuple[str, dict[str, str] | bytes, bool, str, asyncio.Future[None] | None]
+# (stream, entry id, False, the begun marker to delete or "", done) for an acknowledgement;
+# (key, amount, False, "", None) for a counter.
+_Pending = tuple[str, dict[str, str] | bytes | int, bool, str, asyncio.Future[None] | None]
 
 
 class ReplyWriter:
@@ -58,6 +59,11 @@ class ReplyWriter:
         self._wake.set()
         await done
 
+    def count(self, key: str, amount: int) -> None:
+        """Add ``amount`` to a counter with the next batch (a lane's drained jobs), without waiting."""
+        self._pending.append((key, amount, False, "", None))
+        self._wake.set()
+
     async def ack(self, stream: str, entry_id: bytes, request_id: str = "") -> None:
         """Acknowledge and delete a finished job's entry (and the request's begun marker); returns
         once that is done in Redis."""
@@ -76,6 +82,9 @@ class ReplyWriter:
             try:
                 async with asyncio.timeout(SOCKET_TIMEOUT_S), self._redis.pipeline(transaction=False) as pipe:
                     for key, fields, set_ttl, begun, _ in batch:
+                        if isinstance(fields, int):  # a counter
+                            pipe.incrby(key, fields)
+                            continue
                         if isinstance(fields, bytes):  # an acknowledgement
                             pipe.xack(key, contract.POOL_GROUP, fields)
                             pipe.xdel(key, fields)
