@@ -29,10 +29,10 @@ _CONTEXT: ContextVar[Mapping[str, Any]] = ContextVar("flatfare_log_context", def
 _LOG_PROMPTS = False
 _HANDLER_MARK = "_flatfare_handler"
 
-# Flatfare keys keep their visible prefix (the 11 characters stored beside the hash), so a line still
-# says which key it was; Stripe secrets and bearer tokens are masked whole.
+# Flatfare keys and admin tokens keep their visible prefix (the characters stored beside the hash), so
+# a line still says which one it was; Stripe secrets and bearer tokens are masked whole.
 _SECRETS = re.compile(
-    r"(?P<key>ff-[A-Za-z0-9_-]{8})[A-Za-z0-9_-]{35}(?![A-Za-z0-9_-])"
+    r"(?P<key>ffa?-[A-Za-z0-9_-]{8})[A-Za-z0-9_-]{35}(?![A-Za-z0-9_-])"
     r"|(?:sk|rk)_(?:live|test)_[A-Za-z0-9]{6,}"
     r"|whsec_[A-Za-z0-9+/=]{6,}"
     r"|(?i:bearer)\s+[A-Za-z0-9._~+/=-]{6,}"
@@ -42,7 +42,7 @@ _MASK = "[redacted]"
 
 # Every secret the pattern matches contains one of these: a line without any (most lines) skips the
 # regex, which cost 10 us for a request's log line.
-_MARKERS = ("ff-", "sk_", "rk_", "whsec_")
+_MARKERS = ("ff-", "ffa-", "sk_", "rk_", "whsec_")
 
 
 def redact(text: str) -> str:

@@ -33,6 +33,7 @@ from gateway.queueing import LaneLimits, LaneQueue
 from gateway.pools import Pools
 from gateway.ratelimit import RateLimitHeaders
 from gateway.replies import Replies, ReplyRouter
+from gateway.safety import RequestScreen
 from gateway.settings import GatewaySettings
 
 
@@ -65,7 +66,8 @@ def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
         router.start()
         state.completions = CompletionService(
             state.pools, router, Replies(redis), ledger, state.plans, state.quota,
-            LaneQueue(redis, limits, state.quota), PrefixRouter(redis, settings.prefix_routing), metrics)
+            LaneQueue(redis, limits, state.quota), PrefixRouter(redis, settings.prefix_routing), metrics,
+            RequestScreen(redis))
         state.accounts = AccountStore(sessions)
         state.stripe = None
         state.webhooks = WebhookProcessor(sessions, {price: plan for plan, price in settings.stripe_prices.items()})
@@ -85,7 +87,8 @@ def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
             await redis.aclose()
             await engine.dispose()
 
-    app = FastAPI(title="Flatfare", version="0.1.0", lifespan=lifespan,
+    # redirect_slashes off: its redirect built Location from the client's Host header.
+    app = FastAPI(title="Flatfare", version="0.1.0", lifespan=lifespan, redirect_slashes=False,
                   description="OpenAI-compatible LLM API with flat per-request pricing.")
     app.state.metrics = metrics
     install_handlers(app)

@@ -10,11 +10,11 @@ from pydantic import BaseModel, ConfigDict
 
 from billing.stripe_client import BillingError, InvalidWebhook, StripeGateway
 from gateway.deps import CurrentCaller, RawBody
-from gateway.errors import APIError
+from gateway.errors import ERROR_RESPONSES, APIError
 from gateway.settings import GatewaySettings
 
 log = logging.getLogger("flatfare.billing")
-router = APIRouter(tags=["billing"])
+router = APIRouter(tags=["billing"], responses=ERROR_RESPONSES)
 
 
 class CheckoutRequest(BaseModel):

@@ -39,6 +39,7 @@ from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.queueing import LaneQueue, QuotaClaim, QuotaSpent, Queued
 from gateway.ratelimit import ratelimit_headers
 from gateway.replies import Inbox, Replies, ReplyRouter, timed_out
+from gateway.safety import RequestScreen
 
 log = logging.getLogger("flatfare.gateway")
 
@@ -203,7 +204,7 @@ class Admission:
 class CompletionService:
     def __init__(self, pools: Pools, router: ReplyRouter, replies: Replies, ledger: Ledger, plans: PlanBook,
                  quota: DailyQuota, queue: LaneQueue, prefixes: PrefixRouter,
-                 metrics: GatewayMetrics | None = None) -> None:
+                 metrics: GatewayMetrics | None = None, screen: RequestScreen | None = None) -> None:
         self._pools = pools
         self._router = router
         self._replies = replies
@@ -213,6 +214,7 @@ class CompletionService:
         self._plans = plans
         self._quota = quota
         self._metrics = metrics or GatewayMetrics()
+        self._screen = screen
 
     async def handle(self, endpoint: Endpoint, raw: bytes, caller: Caller, call: Call) -> Answer:
         body, parsed = parse_body(endpoint, raw)
@@ -220,6 +222,8 @@ class CompletionService:
         terms = await self._plans.terms(caller.account, now)
         call.label(plan=terms.plan.name, lane=terms.plan.lane.value)
         check_caps(parsed, terms, len(raw))
+        if self._screen is not None:  # image hosts that resolve to private addresses; grammar floods
+            await self._screen.check(caller.account_id, parsed)
         entry = (await self._pools.catalog()).get(parsed.model)
         if entry is not None and not entry.allows_plan(terms.plan.name):
             raise APIError(403, f"The model '{parsed.model}' is not offered on the {terms.plan.name} plan.",
@@ -230,6 +234,11 @@ class CompletionService:
         call.label(model=pool.model)
         for name in _RESERVED_FIELDS:
             body.pop(name, None)
+        cap = terms.plan.max_output_tokens
+        if cap is not None and parsed.output_tokens() is None:
+            # Without a limit of its own a request would run to the end of the context: the plan's
+            # cap is its limit.
+            body["max_completion_tokens" if endpoint is Endpoint.CHAT else "max_tokens"] = min(cap, pool.max_model_len)
         idempotency_key = _idempotency_key(call.headers)
         body_sha256 = hashlib.sha256(raw).hexdigest() if idempotency_key else None
         if idempotency_key:

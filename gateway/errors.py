@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -19,6 +20,7 @@ _TYPES = {
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     500: "server_error",
     502: "server_error",
     503: "service_unavailable",
@@ -30,6 +32,26 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
                type_: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_ or _TYPES.get(status, "api_error"),
                       "param": param, "code": code}}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorEnvelope(BaseModel):
+    """The body of every error answer, as :func:`error_body` writes it (OpenAI's)."""
+
+    error: ErrorDetail
+
+
+# For a router's ``responses``: documents the error body of every 4xx (FastAPI then drops its own
+# 422 body, which this API never sends).
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": ErrorEnvelope, "description": "The request was refused; `error` says why."},
+}
 
 
 class APIError(Exception):

@@ -195,5 +195,5 @@ def _check_data_url(ref: MediaRef) -> None:
     if size is None:
         raise ref.refuse("the data is not a PNG, JPEG, GIF or WebP image.", code="invalid_image_format")
     if size.width == 0 or size.height == 0 or size.pixels > MAX_IMAGE_PIXELS:
-        raise ref.refuse(f"the image declares {size.width} x {size.height} pixels; at most {MAX_IMAGE_PIXELS} "
-                         "pixels (7680 x 4320) are accepted.", code="image_too_large")
+        raise ref.refuse(f"the image declares {size.width} x {size.height} pixels; images of 1 to "
+                         f"{MAX_IMAGE_PIXELS} pixels (7680 x 4320) are accepted.", code="image_too_large")

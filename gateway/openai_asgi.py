@@ -35,6 +35,9 @@ log = logging.getLogger("flatfare.gateway")
 ROUTES = {"/v1/chat/completions": Endpoint.CHAT, "/v1/completions": Endpoint.COMPLETION}
 # The request headers the service reads (ASGI gives names lower-cased, as bytes).
 _WANTED = {b"authorization", b"content-length", b"idempotency-key", b"x-flatfare-max-queue-ms"}
+# uvicorn (httptools) accepts any header size; these are the bounds every route gets (431 past them).
+MAX_HEADERS = 100
+MAX_HEADER_BYTES = 64 * 1024
 _CONTENT_TYPE = {"application/json": b"application/json", "text/event-stream": b"text/event-stream; charset=utf-8"}
 
 
@@ -50,6 +53,11 @@ class CompletionRoutes:
         return getattr(self.api, name)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and _headers_too_large(scope["headers"]):
+            await _send(Answer(431, {}, body=orjson.dumps(error_body(
+                431, f"The request's headers are too large: at most {MAX_HEADERS} headers of "
+                f"{MAX_HEADER_BYTES} bytes in all.", code="request_headers_too_large"))), Call({}), send)
+            return
         endpoint = ROUTES.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
         if endpoint is None:
             await self.api(scope, receive, send)
@@ -101,6 +109,10 @@ class CompletionRoutes:
             observe(self.metrics, "POST", scope["path"], status, time.perf_counter() - started,
                     request_id=request_id, caller=caller, plan=plan, model=labels.get("model", ""),
                     lane=labels.get("lane", ""))
+
+
+def _headers_too_large(headers: list[tuple[bytes, bytes]]) -> bool:
+    return len(headers) > MAX_HEADERS or sum(len(k) + len(v) for k, v in headers) > MAX_HEADER_BYTES
 
 
 async def read_body(receive: Receive, declared: str | None, limit: int) -> bytes:

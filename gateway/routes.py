@@ -8,10 +8,10 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from gateway.deps import CurrentCaller, PoolsDep
-from gateway.errors import APIError
+from gateway.errors import ERROR_RESPONSES, APIError
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 
-router = APIRouter(prefix="/v1", tags=["openai"])
+router = APIRouter(prefix="/v1", tags=["openai"], responses=ERROR_RESPONSES)
 
 
 def _body_schema(model: type) -> dict[str, Any]:

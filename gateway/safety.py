@@ -22,13 +22,14 @@ import ipaddress
 import socket
 import time
 from collections.abc import Awaitable, Callable
+
 import redis.asyncio as aioredis
 
 from gateway import limits, media
 from gateway.errors import APIError
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 
-# host -> the addresses it resolves to (getaddrinfo's sockaddr tuples, the address first).
+# host -> the addresses it resolves to, as text ("93.184.216.34", "2606:4700::1111").
 Resolver = Callable[[str], Awaitable[list[str]]]
 GRAMMARS_KEY = "ff:grammars:{account_id}:{minute}"
 _WINDOW_S = 60
@@ -71,7 +72,8 @@ class RequestScreen:
             host = media.host_of(ref)
             if host is not None:
                 by_host.setdefault(host, ref)
-        await asyncio.gather(*(self._check_host(host, ref) for host, ref in by_host.items()))
+        if by_host:
+            await asyncio.gather(*(self._check_host(host, ref) for host, ref in by_host.items()))
 
     async def _check_host(self, host: str, ref: media.MediaRef) -> None:
         try:

@@ -11,9 +11,9 @@ from billing.ledger import daily_usage
 from billing.plans import quota_window
 from billing.quota import QuotaUnavailable
 from gateway.deps import CurrentCaller
-from gateway.errors import APIError
+from gateway.errors import ERROR_RESPONSES, APIError
 
-router = APIRouter(prefix="/v1", tags=["account"])
+router = APIRouter(prefix="/v1", tags=["account"], responses=ERROR_RESPONSES)
 HISTORY_DAYS = 30
 
 

@@ -3,8 +3,9 @@
 from fastapi import APIRouter
 
 from gateway.admin import accounts, catalog, reports
+from gateway.errors import ERROR_RESPONSES
 
-router = APIRouter(prefix="/admin/v1", tags=["admin"])
+router = APIRouter(prefix="/admin/v1", tags=["admin"], responses=ERROR_RESPONSES)
 router.include_router(catalog.router)
 router.include_router(accounts.router)
 router.include_router(reports.router)

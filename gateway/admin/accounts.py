@@ -10,7 +10,7 @@ from sqlalchemy import select
 
 from flatfare.storage.accounts import AccountError, ensure_account, issue_key
 from flatfare.storage.models import Account, ApiKey, Plan
-from gateway.admin.audit import not_found, page, record, snapshot
+from gateway.admin.audit import IdFilter, RowId, not_found, page, record, snapshot
 from gateway.admin.auth import AdminReader, AdminWriter
 from gateway.admin.schemas import (
     AccountCreate,
@@ -37,7 +37,7 @@ async def _plan_exists(session, name: str) -> None:  # noqa: ANN001 - an AsyncSe
 
 
 @router.get("/accounts", response_model=Page[AccountPublic])
-async def list_accounts(request: Request, _: AdminReader, limit: Limit = 50, after: int | None = None,
+async def list_accounts(request: Request, _: AdminReader, limit: Limit = 50, after: IdFilter = None,
                         plan: str | None = None, status: str | None = None,
                         name_contains: str | None = None) -> dict[str, Any]:
     query = select(Account).order_by(Account.id).limit(limit + 1)
@@ -55,7 +55,7 @@ async def list_accounts(request: Request, _: AdminReader, limit: Limit = 50, aft
 
 
 @router.get("/accounts/{account_id}", response_model=AccountPublic)
-async def get_account(request: Request, account_id: int, _: AdminReader) -> Account:
+async def get_account(request: Request, account_id: RowId, _: AdminReader) -> Account:
     async with request.app.state.sessions() as session:
         account = await session.get(Account, account_id)
     if account is None:
@@ -83,7 +83,7 @@ async def create_account(request: Request, body: AccountCreate, admin: AdminWrit
 
 
 @router.patch("/accounts/{account_id}", response_model=AccountPublic)
-async def update_account(request: Request, account_id: int, body: AccountUpdate, admin: AdminWriter) -> Account:
+async def update_account(request: Request, account_id: RowId, body: AccountUpdate, admin: AdminWriter) -> Account:
     """Suspend or reactivate, change the plan, set enterprise limits or a dedicated pool."""
     async with request.app.state.sessions() as session, session.begin():
         account = await session.get(Account, account_id, with_for_update=True)
@@ -103,8 +103,8 @@ async def update_account(request: Request, account_id: int, body: AccountUpdate,
 
 
 @router.get("/accounts/{account_id}/keys", response_model=Page[KeyPublic])
-async def list_keys(request: Request, account_id: int, _: AdminReader, limit: Limit = 50,
-                    after: int | None = None, include_revoked: bool = True) -> dict[str, Any]:
+async def list_keys(request: Request, account_id: RowId, _: AdminReader, limit: Limit = 50,
+                    after: IdFilter = None, include_revoked: bool = True) -> dict[str, Any]:
     query = select(ApiKey).where(ApiKey.account_id == account_id).order_by(ApiKey.id).limit(limit + 1)
     if after is not None:
         query = query.where(ApiKey.id > after)
@@ -118,7 +118,7 @@ async def list_keys(request: Request, account_id: int, _: AdminReader, limit: Li
 
 
 @router.post("/accounts/{account_id}/keys", response_model=KeyCreated, status_code=201)
-async def create_key(request: Request, account_id: int, body: KeyCreate, admin: AdminWriter) -> KeyCreated:
+async def create_key(request: Request, account_id: RowId, body: KeyCreate, admin: AdminWriter) -> KeyCreated:
     async with request.app.state.sessions() as session, session.begin():
         account = await session.get(Account, account_id)
         if account is None:
@@ -131,7 +131,7 @@ async def create_key(request: Request, account_id: int, body: KeyCreate, admin: 
 
 
 @router.delete("/keys/{key_id}", response_model=KeyPublic)
-async def revoke_key(request: Request, key_id: int, admin: AdminWriter) -> ApiKey:
+async def revoke_key(request: Request, key_id: RowId, admin: AdminWriter) -> ApiKey:
     """Revoke at once: every gateway process refuses it within its auth cache's lifetime (< 1 s)."""
     async with request.app.state.sessions() as session, session.begin():
         key = await session.get(ApiKey, key_id, with_for_update=True)
@@ -146,7 +146,7 @@ async def revoke_key(request: Request, key_id: int, admin: AdminWriter) -> ApiKe
 
 
 @router.post("/keys/{key_id}/rotate", response_model=KeyCreated, status_code=201)
-async def rotate_key(request: Request, key_id: int, body: KeyRotate, admin: AdminWriter) -> KeyCreated:
+async def rotate_key(request: Request, key_id: RowId, body: KeyRotate, admin: AdminWriter) -> KeyCreated:
     """A new key for the same account; the old one keeps working for ``grace_seconds``."""
     async with request.app.state.sessions() as session, session.begin():
         old = await session.get(ApiKey, key_id, with_for_update=True)

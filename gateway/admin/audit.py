@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from datetime import UTC, date, datetime
-from typing import Any
+from typing import Annotated, Any
 
+from fastapi import Path, Query
 from sqlalchemy import inspect
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -14,6 +15,12 @@ from gateway.errors import APIError
 
 # Never copied into the audit log.
 _SECRET_COLUMNS = {"key_hash", "token_hash"}
+
+# Row ids are SQL INTEGERs (32 bits in PostgreSQL): a larger one fails in the database driver (a 500),
+# so the route refuses it (422) instead.
+MAX_ROW_ID = 2**31 - 1
+RowId = Annotated[int, Path(ge=1, le=MAX_ROW_ID)]
+IdFilter = Annotated[int | None, Query(ge=0, le=MAX_ROW_ID)]
 
 
 def snapshot(row: Base | None) -> dict[str, Any] | None:

@@ -13,7 +13,7 @@ from sqlalchemy import func, select
 
 from flatfare.storage.accounts import issue_admin_token
 from flatfare.storage.models import AdminToken, AuditEntry, RequestRecord
-from gateway.admin.audit import not_found, page, record, snapshot
+from gateway.admin.audit import IdFilter, RowId, not_found, page, record, snapshot
 from gateway.admin.auth import AdminReader, AdminWriter
 from gateway.admin.schemas import AuditPublic, Page, TokenCreate, TokenCreated, TokenPublic
 from gateway.errors import APIError
@@ -24,9 +24,13 @@ _USAGE_COLUMNS = ["day", "account_id", "api_key_id", "model", "requests", "promp
                   "amount_micros"]
 
 
-@router.get("/usage")
+# ?format=csv answers text/csv: documented beside the JSON body, so clients (and the schema) expect it.
+_CSV = {200: {"content": {"text/csv": {"schema": {"type": "string"}}}}}
+
+
+@router.get("/usage", responses=_CSV)
 async def usage(request: Request, _: AdminReader, since: date | None = None, until: date | None = None,
-                account_id: int | None = None, key_id: int | None = None, model: str | None = None,
+                account_id: IdFilter = None, key_id: IdFilter = None, model: str | None = None,
                 format: Literal["json", "csv"] = "json") -> Any:  # noqa: A002 - the query parameter's name
     """Billable requests per day, account, key and model, with totals that match the ledger."""
     query = (select(RequestRecord.quota_day, RequestRecord.account_id, RequestRecord.api_key_id,
@@ -64,9 +68,9 @@ async def usage(request: Request, _: AdminReader, since: date | None = None, unt
 
 
 @router.get("/audit", response_model=Page[AuditPublic])
-async def audit(request: Request, _: AdminReader, limit: Limit = 50, after: int | None = None,
+async def audit(request: Request, _: AdminReader, limit: Limit = 50, after: IdFilter = None,
                 action: str | None = None, resource_type: str | None = None, resource_id: str | None = None,
-                actor_id: int | None = None) -> dict[str, Any]:
+                actor_id: IdFilter = None) -> dict[str, Any]:
     """Newest first."""
     query = select(AuditEntry).order_by(AuditEntry.id.desc()).limit(limit + 1)
     if after is not None:
@@ -85,7 +89,7 @@ async def audit(request: Request, _: AdminReader, limit: Limit = 50, after: int 
 
 
 @router.get("/tokens", response_model=Page[TokenPublic])
-async def list_tokens(request: Request, _: AdminReader, limit: Limit = 50, after: int | None = None) -> dict:
+async def list_tokens(request: Request, _: AdminReader, limit: Limit = 50, after: IdFilter = None) -> dict:
     query = select(AdminToken).order_by(AdminToken.id).limit(limit + 1)
     if after is not None:
         query = query.where(AdminToken.id > after)
@@ -108,7 +112,7 @@ async def create_token(request: Request, body: TokenCreate, admin: AdminWriter) 
 
 
 @router.delete("/tokens/{token_id}", response_model=TokenPublic)
-async def revoke_token(request: Request, token_id: int, admin: AdminWriter) -> AdminToken:
+async def revoke_token(request: Request, token_id: RowId, admin: AdminWriter) -> AdminToken:
     async with request.app.state.sessions() as session, session.begin():
         token = await session.get(AdminToken, token_id, with_for_update=True)
         if token is None:

@@ -3,21 +3,42 @@ caller's to set (ids, hashes, audit fields, Stripe state) can be applied: it is 
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from flatfare.storage.models import Lane
 
 Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9._-]*$")]
 ModelName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$")]
 T = TypeVar("T")
+# The largest value of an SQL INTEGER column (32 bits in PostgreSQL) and of a BIGINT one: a larger
+# number fails in the database driver, so it is refused here (422) instead of there (500).
+_INT = Annotated[int, Field(ge=0, le=2**31 - 1)]
+_BIGINT = Annotated[int, Field(ge=0, le=2**63 - 1)]
+
+
+def _utc(moment: datetime) -> datetime:
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+# SQLite keeps no zone and Flatfare stores UTC: every timestamp leaves with its offset, as the
+# schema's date-time format (RFC 3339) requires.
+Timestamp = Annotated[datetime, AfterValidator(_utc)]
 
 
 class _In(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def _refuse_null(cls: type, value: Any) -> Any:  # noqa: ARG001 - pydantic passes the class
+    """For fields whose column cannot hold NULL: leaving one out keeps its value, but an explicit null
+    would fail in the database (a 500), so it is refused here (422)."""
+    if value is None:
+        raise ValueError("leave the field out to keep its value; it cannot be null")
+    return value
 
 
 class _Out(BaseModel):
@@ -35,17 +56,20 @@ class Page(BaseModel, Generic[T]):
 
 class _PlanFields(_In):
     display_name: Annotated[str, Field(min_length=1, max_length=128)] | None = None
-    daily_limit: Annotated[int, Field(ge=0)] | None = None
-    price_per_request_micros: Annotated[int, Field(ge=0)] | None = None
-    monthly_price_cents: Annotated[int, Field(ge=0)] | None = None
+    daily_limit: _INT | None = None
+    price_per_request_micros: _BIGINT | None = None
+    monthly_price_cents: _INT | None = None
     lane: Lane | None = None
     allowed_models: list[ModelName] | None = None
-    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_output_tokens: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None
     max_n: Annotated[int, Field(ge=1, le=128)] | None = None
     max_body_bytes: Annotated[int, Field(ge=1024, le=64 * 1024 * 1024)] | None = None
     timezone: str | None = None
     trial_days: Annotated[int, Field(ge=1, le=365)] | None = None
     retired: bool | None = None
+
+    _not_null = field_validator("display_name", "price_per_request_micros", "monthly_price_cents", "lane", "max_n",
+                                "max_body_bytes", "timezone", "retired")(_refuse_null)
 
     @field_validator("timezone")
     @classmethod
@@ -122,6 +146,8 @@ class _ModelFields(_In):
     min_workers: Annotated[int, Field(ge=0, le=1024)] | None = None
     enabled: bool | None = None
 
+    _not_null = field_validator("source", "pinned", "min_workers", "enabled")(_refuse_null)
+
 
 class ModelCreate(_ModelFields):
     name: ModelName
@@ -140,7 +166,7 @@ class ModelPublic(_Out):
     pinned: bool
     min_workers: int
     enabled: bool
-    created_at: datetime
+    created_at: Timestamp
     live_workers: int = 0
 
 
@@ -149,7 +175,7 @@ class ModelPublic(_Out):
 class AccountCreate(_In):
     name: Annotated[str, Field(min_length=1, max_length=128)]
     plan: Name = "free"
-    daily_limit_override: Annotated[int, Field(ge=0)] | None = None
+    daily_limit_override: _INT | None = None
     unlimited: bool = False
     dedicated_pool: Annotated[str, Field(max_length=128)] | None = None
 
@@ -158,9 +184,11 @@ class AccountUpdate(_In):
     name: Annotated[str, Field(min_length=1, max_length=128)] | None = None
     plan: Name | None = None
     status: Literal["active", "suspended", "past_due"] | None = None
-    daily_limit_override: Annotated[int, Field(ge=0)] | None = None
+    daily_limit_override: _INT | None = None
     unlimited: bool | None = None
     dedicated_pool: Annotated[str, Field(max_length=128)] | None = None
+
+    _not_null = field_validator("name", "plan", "status", "unlimited")(_refuse_null)
 
 
 class AccountPublic(_Out):
@@ -168,8 +196,8 @@ class AccountPublic(_Out):
     name: str
     plan: str
     status: str
-    created_at: datetime
-    trial_ends_at: datetime | None
+    created_at: Timestamp
+    trial_ends_at: Timestamp | None
     daily_limit_override: int | None
     unlimited: bool
     dedicated_pool: str | None
@@ -191,10 +219,10 @@ class KeyPublic(_Out):
     account_id: int
     name: str
     prefix: str
-    created_at: datetime
-    last_used_at: datetime | None
-    revoked_at: datetime | None
-    expires_at: datetime | None
+    created_at: Timestamp
+    last_used_at: Timestamp | None
+    revoked_at: Timestamp | None
+    expires_at: Timestamp | None
 
 
 class KeyCreated(KeyPublic):
@@ -213,9 +241,9 @@ class TokenPublic(_Out):
     name: str
     prefix: str
     scopes: list[str]
-    created_at: datetime
+    created_at: Timestamp
     created_by: int | None
-    revoked_at: datetime | None
+    revoked_at: Timestamp | None
 
 
 class TokenCreated(TokenPublic):
@@ -224,7 +252,7 @@ class TokenCreated(TokenPublic):
 
 class AuditPublic(_Out):
     id: int
-    at: datetime
+    at: Timestamp
     actor_id: int | None
     actor: str
     action: str
