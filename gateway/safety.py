@@ -31,15 +31,22 @@ from gateway.protocol import ChatCompletionRequest, CompletionRequest
 
 # host -> the addresses it resolves to, as text ("93.184.216.34", "2606:4700::1111").
 Resolver = Callable[[str], Awaitable[list[str]]]
-GRAMMARS_KEY = "ff:grammars:{account_id}:{minute}"
+GRAMMARS_KEY = "ff:grammars:{account_id}"
 _WINDOW_S = 60
-# Seen in this window already: free. A new one past the limit: refused. Else: remembered.
+# A sliding window (a sorted set of digests by first use, in ms): one seen within the last window is
+# free; a new one past the limit is refused ({0, ms until the oldest leaves}); else remembered.
+# A fixed per-minute window let twice the limit through across a minute's boundary.
+# ARGV: digest, limit, now (ms), window (ms).
 _NEW_GRAMMAR = """
-if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 1 end
-if redis.call('SCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
-redis.call('SADD', KEYS[1], ARGV[1])
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-return 1
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', tonumber(ARGV[3]) - tonumber(ARGV[4]))
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) then return {1, 0} end
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then
+  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  return {0, tonumber(oldest[2]) + tonumber(ARGV[4]) - tonumber(ARGV[3])}
+end
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return {1, 0}
 """
 
 
@@ -89,13 +96,12 @@ class RequestScreen:
             media.check_address(ref, ipaddress.ip_address(address))
 
     async def check_grammar(self, account_id: int, digest: str) -> None:
-        now = time.time()
-        minute = int(now // _WINDOW_S)
-        key = GRAMMARS_KEY.format(account_id=account_id, minute=minute)
-        allowed = await self._new_grammar(keys=[key], args=[digest, self.new_grammars_per_minute, 2 * _WINDOW_S])
+        key = GRAMMARS_KEY.format(account_id=account_id)
+        allowed, wait_ms = await self._new_grammar(
+            keys=[key], args=[digest, self.new_grammars_per_minute, int(time.time() * 1000), _WINDOW_S * 1000])
         if not allowed:
-            retry = max(int((minute + 1) * _WINDOW_S - now) + 1, 1)
+            retry = max(int(wait_ms) // 1000 + 1, 1)
             raise APIError(429, f"This account sent {self.new_grammars_per_minute} different output schemas, "
-                           "patterns or grammars this minute, each compiled by the engine; reuse one, or retry "
+                           "patterns or grammars in the last minute, each compiled by the engine; reuse one, or retry "
                            f"in {retry} s.", code="too_many_new_schemas", headers={"Retry-After": str(retry)})
 
