@@ -59,7 +59,7 @@ def _value(value: Any) -> Any:
 
 
 def _rows(dicts: list[dict[str, Any]], columns: tuple[str, ...]) -> list[tuple[Any, ...]]:
-    return [tuple(_value(d[c]) for c in columns) for d in dicts]
+    return [tuple(map(_value, map(d.__getitem__, columns))) for d in dicts]
 
 
 class _Statements:
@@ -75,7 +75,8 @@ class _Statements:
         return self._cursor.execute(_QUEUED.format(", ".join("?" * len(ids))), ids).fetchall()
 
     def close_rows(self, updates: list[dict[str, Any]]) -> None:
-        self._cursor.executemany(_CLOSE, [(*(_value(u[c]) for c in _CLOSE_COLUMNS), u["id"]) for u in updates])
+        self._cursor.executemany(_CLOSE, [(*map(_value, map(u.__getitem__, _CLOSE_COLUMNS)), u["id"])
+                                          for u in updates])
 
     def insert_meters(self, meters: list[dict[str, Any]]) -> None:
         self._cursor.executemany(_METER, _rows(meters, _METER_COLUMNS))

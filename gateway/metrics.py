@@ -80,22 +80,33 @@ class GatewayMetrics:
                                      "rate() gives tokens per second.", ["model", "lane"], registry=r)
         self.prompt_tokens = Counter("flatfare_prompt_tokens", "Prompt tokens processed.", ["model", "lane"],
                                      registry=r)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.quota_rejections = Counter("flatfare_quota_rejections", "Requests refused with 429 because the "
                                         "account's daily allowance was spent.", ["plan"], registry=r)
 
+    def child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, remembered: prometheus_client resolves a label set under a lock
+        on every call, several times a request. Label values are bounded (checked routes, models,
+        plans, statuses), so the cache is too."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
     def first_token(self, model: str, lane: str, seconds: float) -> None:
-        self.time_to_first_token.labels(model, lane).observe(max(seconds, 0.0))
+        self.child(self.time_to_first_token, model, lane).observe(max(seconds, 0.0))
 
     def finished(self, model: str, lane: str, outcome: str, *, queue_ms: int | None, prompt_tokens: int,
                  completion_tokens: int) -> None:
         """A request's ledger row was closed with ``outcome``."""
-        self.completions.labels(model, lane, outcome).inc()
+        self.child(self.completions, model, lane, outcome).inc()
         if queue_ms is not None:
-            self.queue_wait.labels(model, lane).observe(queue_ms / 1000)
+            self.child(self.queue_wait, model, lane).observe(queue_ms / 1000)
         if completion_tokens:
-            self.output_tokens.labels(model, lane).inc(completion_tokens)
+            self.child(self.output_tokens, model, lane).inc(completion_tokens)
         if prompt_tokens:
-            self.prompt_tokens.labels(model, lane).inc(prompt_tokens)
+            self.child(self.prompt_tokens, model, lane).inc(prompt_tokens)
 
     def quota_rejected(self, plan: str) -> None:
         self.quota_rejections.labels(plan).inc()
@@ -143,8 +154,8 @@ class RequestObserver:
 def observe(metrics: GatewayMetrics, method: str, route: str, status: int, seconds: float, *,
             request_id: str | None, caller: Any, plan: str = "", model: str = "", lane: str = "") -> None:
     """Count and time one answered HTTP request, and write its log line."""
-    metrics.requests.labels(route, str(status), plan, model).inc()
-    metrics.request_duration.labels(route, model, lane).observe(seconds)
+    metrics.child(metrics.requests, route, str(status), plan, model).inc()
+    metrics.child(metrics.request_duration, route, model, lane).observe(seconds)
     level = logging.DEBUG if route in _QUIET_ROUTES else logging.INFO
     if log.isEnabledFor(level):
         fields = {"status": status, "duration_ms": round(seconds * 1000, 1), "route": route,
