@@ -129,3 +129,11 @@ async def test_an_inbox_wait_ends_at_its_timeout_or_when_the_client_leaves(redis
     assert await inbox.next(0.05) == []
     asyncio.get_running_loop().call_later(0.05, inbox.leave)
     assert await inbox.next(5.0) == [] and inbox.gone
+
+
+async def test_admission_survives_a_script_flush(redis) -> None:
+    queue, claim = _queue(redis), _claim(5, 100)
+    await redis.script_flush()  # a restarted server: the script is loaded again on first use
+    admitted = await asyncio.gather(*(queue.admit(_job(i), POOL, claim) for i in range(20)))
+    assert sorted(a.used for a in admitted) == list(range(1, 21))
+    assert await redis.xlen(contract.job_stream(POOL, Lane.STANDARD)) == 20
