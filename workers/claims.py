@@ -14,6 +14,23 @@ from flatfare.contract import Lane
 
 Entry = tuple[bytes, dict[bytes, bytes]]
 
+# One claim pass: XREADGROUP each stream in order (KEYS), at most ARGV[3+i] from the i-th and no
+# more than ARGV[3] in all, without blocking. Returns {{i, entries}, ...} for the streams that had any.
+_PASS = """
+local free = tonumber(ARGV[3])
+local taken = {}
+for i, key in ipairs(KEYS) do
+  if free <= 0 then break end
+  local most = math.min(tonumber(ARGV[3 + i]), free)
+  local ok, reply = pcall(redis.call, 'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', most, 'STREAMS', key, '>')
+  if ok and reply and reply[1] and #reply[1][2] > 0 then
+    taken[#taken + 1] = {i, reply[1][2]}
+    free = free - #reply[1][2]
+  end
+end
+return taken
+"""
+
 
 @dataclass(frozen=True, slots=True)
 class Claimed:
@@ -58,6 +75,7 @@ class Claimer:
         self.share = share or LaneShare()
         self.own = contract.worker_stream(model, worker_id)
         self.lanes = {lane: contract.job_stream(model, lane) for lane in (Lane.PREMIUM, Lane.STANDARD)}
+        self._pass = redis.register_script(_PASS)
 
     async def setup(self) -> None:
         for stream in (self.own, *self.lanes.values()):
@@ -77,14 +95,16 @@ class Claimer:
             order.append((standard, Lane.STANDARD, 1))
         order += [(premium, Lane.PREMIUM, free), (standard, Lane.STANDARD, free)]
         claimed: list[Claimed] = []
-        for stream, lane, most in order:
-            if free <= 0:
-                break
-            entries = await self._read(stream, min(most, free))
-            if entries:
-                claimed.append(Claimed(stream, lane, entries))
-                self.share.took(lane, len(entries))
-                free -= len(entries)
+        # The whole pass is one script (it was a round trip per stream, three a claim when idle).
+        taken = await self._pass(keys=[stream for stream, _, _ in order],
+                                 args=[contract.POOL_GROUP, self.worker_id, free, *(most for _, _, most in order)])
+        for index, entries in taken:
+            stream, lane, _ = order[int(index) - 1]
+            parsed: list[Entry] = [(entry_id, dict(zip(fields[::2], fields[1::2], strict=True)))
+                                   for entry_id, fields in entries]
+            claimed.append(Claimed(stream, lane, parsed))
+            self.share.took(lane, len(parsed))
+            free -= len(parsed)
         if claimed or free <= 0:
             return claimed
         # Nothing anywhere: wait on all three at once, one job each at most.

@@ -1,9 +1,13 @@
-"""The lane share: premium first, but standard keeps its guaranteed share."""
+"""The lane share: premium first, but standard keeps its guaranteed share; and a claim pass, against
+a real redis-server, in lane order within the worker's free slots."""
 
 from __future__ import annotations
 
+import pytest
+
 from flatfare.contract import Lane
-from workers.claims import LaneShare
+from flatfare.redis_conn import connect
+from workers.claims import Claimer, LaneShare
 
 
 def test_standard_gets_one_claim_in_five_under_premium_load() -> None:
@@ -21,3 +25,35 @@ def test_credit_is_bounded_after_a_long_premium_only_stretch() -> None:
     share = LaneShare(0.2)
     share.took(Lane.PREMIUM, 10_000)
     assert share.credit == 8.0
+
+
+@pytest.fixture
+async def redis(redis_url: str):
+    client = connect(redis_url)
+    await client.flushdb()
+    yield client
+    await client.aclose()
+
+
+async def test_a_claim_pass_takes_own_then_premium_then_standard_within_free(redis) -> None:
+    claimer = Claimer(redis, "m", "w1")
+    await claimer.setup()
+    for stream, count in ((claimer.own, 1), (claimer.lanes[Lane.PREMIUM], 2), (claimer.lanes[Lane.STANDARD], 3)):
+        for i in range(count):
+            await redis.xadd(stream, {"id": f"{stream}-{i}"})
+    first = await claimer.claim(4, block_ms=10)
+    assert [(c.lane, len(c.entries)) for c in first] == [(None, 1), (Lane.PREMIUM, 2), (Lane.STANDARD, 1)]
+    assert first[1].entries[0][1] == {b"id": f"{claimer.lanes[Lane.PREMIUM]}-0".encode()}
+    rest = await claimer.claim(10, block_ms=10)
+    assert [(c.lane, len(c.entries)) for c in rest] == [(Lane.STANDARD, 2)]
+    assert await claimer.claim(10, block_ms=10) == []  # nothing left: the blocking read times out
+
+
+async def test_standard_is_served_first_once_it_has_earned_a_slot(redis) -> None:
+    claimer = Claimer(redis, "m", "w2")
+    await claimer.setup()
+    claimer.share.credit = 1.0
+    for lane in (Lane.PREMIUM, Lane.STANDARD):
+        await redis.xadd(claimer.lanes[lane], {"id": lane.value})
+    claimed = await claimer.claim(1, block_ms=10)
+    assert [(c.lane, len(c.entries)) for c in claimed] == [(Lane.STANDARD, 1)]
