@@ -19,8 +19,9 @@ Request path in Redis terms:
 3. The worker XACKs (and XDELs) the job only once its terminal reply is written. While it runs a
    job it renews its lease (XCLAIM to itself, which resets the idle time) every
    ``lease/3``; a job idle longer than its lease belongs to a worker that died, and any live worker
-   takes it over with XAUTOCLAIM: it runs the job again if no reply was written yet, or fails it
-   cleanly (an ERROR reply) if the client already got part of the answer.
+   takes it over with XAUTOCLAIM: it runs the job again unless ``begun_key(request_id)`` says a
+   chunk already went out (set with the first chunk, deleted with the ack), in which case it fails
+   it cleanly (an ERROR reply): the client already got part of the answer.
 4. A client that goes away makes the gateway PUBLISH the request id on :data:`CANCEL_CHANNEL` and
    set ``cancel_key(request_id)``; the worker aborts the engine request, or skips the job if it
    had not started it yet.
