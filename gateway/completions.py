@@ -16,10 +16,8 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
 
 import orjson
-from pydantic import ValidationError
 from redis.exceptions import RedisError
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -31,11 +29,12 @@ from flatfare.logs import bind
 from flatfare.storage.models import RequestRecord, RequestStatus
 from gateway.affinity import PrefixRouter, prefix_hash
 from gateway.auth import Caller
-from gateway.errors import APIError, error_body, invalid, validation_error
+from gateway.errors import APIError, error_body
 from gateway.metrics import GatewayMetrics
 from gateway.plans import PlanBook
-from gateway.pools import Pool, Pools
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.pools import Pools
+from gateway.request_checks import (IDEMPOTENCY_WINDOW_S, check_caps, check_fits, deadline_ms_of, expired,
+                                    idempotency_key_of, parse_body)
 from gateway.queueing import LaneQueue, QuotaClaim, QuotaSpent, Queued
 from gateway.ratelimit import ratelimit_headers
 from gateway.replies import Inbox, Replies, ReplyRouter, timed_out
@@ -43,7 +42,6 @@ from gateway.safety import RequestScreen
 
 log = logging.getLogger("flatfare.gateway")
 
-_MODELS = {Endpoint.CHAT: ChatCompletionRequest, Endpoint.COMPLETION: CompletionRequest}
 # Fields only the platform sets: the engine's request id and scheduling priority.
 _RESERVED_FIELDS = ("request_id", "priority")
 _JSON = "application/json"
@@ -53,53 +51,10 @@ _DONE = b"data: [DONE]\n\n"
 CLIENT_CLOSED = 499
 # A request still waiting for its first reply after this long starts watching for its client leaving.
 WATCH_AFTER_S = 0.05
-IDEMPOTENCY_WINDOW_S = 24 * 3600
-MAX_IDEMPOTENCY_KEY = 255
 
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
-
-
-def parse_body(endpoint: Endpoint, raw: bytes) -> tuple[dict[str, Any], ChatCompletionRequest | CompletionRequest]:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise APIError(400, "We could not parse the JSON body of your request. Send a JSON object "
-                       "with 'Content-Type: application/json'.", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise invalid("The request body must be a JSON object.", code="invalid_json")
-    try:
-        parsed = _MODELS[endpoint].model_validate(body)
-    except ValidationError as exc:
-        raise validation_error(list(exc.errors()), body) from None
-    return body, parsed
-
-
-def check_fits(parsed: ChatCompletionRequest | CompletionRequest, pool: Pool) -> None:
-    wanted = parsed.output_tokens()
-    if wanted is not None and wanted > pool.max_model_len:
-        param = "max_completion_tokens" if getattr(parsed, "max_completion_tokens", None) else "max_tokens"
-        raise invalid(f"{param} is too large: {wanted}. The model '{pool.model}' supports at most "
-                      f"{pool.max_model_len} tokens of context.", param=param)
-
-
-def check_caps(parsed: ChatCompletionRequest | CompletionRequest, terms: AccountTerms, body_bytes: int) -> None:
-    """The plan's per-request caps, checked before any quota unit is counted."""
-    plan = terms.plan
-    if body_bytes > plan.max_body_bytes:
-        raise APIError(413, f"The request body is larger than the {plan.name} plan's limit of "
-                       f"{plan.max_body_bytes} bytes.", code="request_too_large")
-    if not plan.allows_model(parsed.model):
-        raise APIError(403, f"The {plan.name} plan does not include the model '{parsed.model}'.",
-                       param="model", code="model_not_allowed")
-    if (parsed.n or 1) > plan.max_n:
-        raise invalid(f"n is {parsed.n}; the {plan.name} plan allows at most {plan.max_n}.", param="n")
-    wanted = parsed.output_tokens()
-    if plan.max_output_tokens is not None and wanted is not None and wanted > plan.max_output_tokens:
-        param = "max_completion_tokens" if getattr(parsed, "max_completion_tokens", None) else "max_tokens"
-        raise invalid(f"{param} is {wanted}; the {plan.name} plan allows at most {plan.max_output_tokens} "
-                      "output tokens per request.", param=param)
 
 
 def _billable(reply: Reply) -> bool:
@@ -230,7 +185,7 @@ class CompletionService:
                            param="model", code="model_not_allowed")
         pool = await self._pools.route(parsed.model, terms.pool)
         check_fits(parsed, pool)
-        deadline_ms = _deadline(call.headers, now)
+        deadline_ms = deadline_ms_of(call.headers, now)
         call.label(model=pool.model)
         for name in _RESERVED_FIELDS:
             body.pop(name, None)
@@ -239,11 +194,11 @@ class CompletionService:
             # Without a limit of its own a request would run to the end of the context: the plan's
             # cap is its limit.
             body["max_completion_tokens" if endpoint is Endpoint.CHAT else "max_tokens"] = min(cap, pool.max_model_len)
-        idempotency_key = _idempotency_key(call.headers)
+        idempotency_key = idempotency_key_of(call.headers)
         body_sha256 = hashlib.sha256(raw).hexdigest() if idempotency_key else None
         if idempotency_key:
             existing = await self._ledger.find_idempotent(caller.account_id, idempotency_key)
-            if existing is not None and not _expired(existing, now):
+            if existing is not None and not expired(existing, now):
                 return await self._replay(existing, body_sha256, call)
             if existing is not None:
                 await self._ledger.release_idempotency_key(existing.id)
@@ -366,7 +321,7 @@ class CompletionService:
                                     or (first.kind is ReplyKind.RESPONSE and first.status < 400)):
                 self._metrics.first_token(admission.model, admission.lane, (_now_ms() - admission.created_ms) / 1000)
             if first.kind.terminal:
-                return self._whole(admission, inbox, first, headers)
+                return self._whole(admission, first, headers)
             handed_over = True
             call.watch_client()
             return Answer(200, {**headers, **_SSE_HEADERS}, _SSE, stream=self._sse(admission, inbox, batch))
@@ -417,7 +372,7 @@ class CompletionService:
                 await self._abandon(admission, RequestStatus.FAILED, exc.status, exc.code or "timeout", billable=False)
                 raise exc
 
-    def _whole(self, admission: Admission, inbox: Inbox, reply: Reply, headers: dict[str, str]) -> Answer:
+    def _whole(self, admission: Admission, reply: Reply, headers: dict[str, str]) -> Answer:
         outcome = _outcome(reply, admission.created_ms, _now_ms())
 
         async def finish() -> None:
@@ -472,35 +427,6 @@ class CompletionService:
 def _ledger_unavailable() -> APIError:
     return APIError(503, "The ledger is unreachable; retry shortly.", code="ledger_unavailable",
                     headers={"Retry-After": "1"})
-
-
-MAX_QUEUE_DEADLINE_MS = 86_400_000
-
-
-def _deadline(headers: dict[str, str], now: datetime) -> int:
-    """The wall-clock ms past which a still-queued job is dropped (x-flatfare-max-queue-ms); 0: none."""
-    raw = headers.get("x-flatfare-max-queue-ms")
-    if raw is None:
-        return 0
-    if not raw.strip().isdigit() or not 0 < int(raw) <= MAX_QUEUE_DEADLINE_MS:
-        raise invalid(f"x-flatfare-max-queue-ms must be a whole number of milliseconds from 1 to "
-                      f"{MAX_QUEUE_DEADLINE_MS}.", param="x-flatfare-max-queue-ms")
-    return int(now.timestamp() * 1000) + int(raw)
-
-
-def _idempotency_key(headers: dict[str, str]) -> str | None:
-    key = headers.get("idempotency-key")
-    if key is None:
-        return None
-    key = key.strip()
-    if not key or len(key) > MAX_IDEMPOTENCY_KEY:
-        raise invalid(f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} characters.", param="Idempotency-Key")
-    return key
-
-
-def _expired(record: RequestRecord, now: datetime) -> bool:
-    created = record.created_at if record.created_at.tzinfo else record.created_at.replace(tzinfo=UTC)
-    return (now - created).total_seconds() > IDEMPOTENCY_WINDOW_S
 
 
 def _event(data: str) -> bytes:

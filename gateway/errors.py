@@ -71,6 +71,12 @@ class APIError(Exception):
                             status_code=self.status, headers=self.headers)
 
 
+def queue_unreachable() -> APIError:
+    """Fail closed: without Redis nothing can be counted, queued or routed."""
+    return APIError(503, "The platform's queue is unreachable; retry shortly.", code="queue_unavailable",
+                    headers={"Retry-After": "1"})
+
+
 def invalid(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
 
@@ -126,8 +132,7 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(RedisError)
     async def _redis_down(_: Request, exc: RedisError) -> JSONResponse:
         # Fail closed: without Redis nothing can be counted, queued or routed.
-        return APIError(503, "The platform's queue is unreachable; retry shortly.", code="queue_unavailable",
-                        headers={"Retry-After": "1"}).response()
+        return queue_unreachable().response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -26,7 +26,7 @@ from starlette.types import Receive, Scope, Send
 from flatfare.contract import Endpoint
 from gateway.auth import Caller
 from gateway.completions import CLIENT_CLOSED, Answer, Call
-from gateway.errors import APIError, error_body
+from gateway.errors import APIError, error_body, queue_unreachable
 from gateway.metrics import GatewayMetrics, observe
 from gateway.ratelimit import current_headers
 
@@ -83,10 +83,7 @@ class CompletionRoutes:
             except APIError as exc:
                 answer = await _error(exc, state, caller, call)
             except RedisError:
-                # Fail closed: without Redis nothing can be counted, queued or routed.
-                answer = await _error(APIError(503, "The platform's queue is unreachable; retry shortly.",
-                                               code="queue_unavailable", headers={"Retry-After": "1"}),
-                                      state, caller, call)
+                answer = await _error(queue_unreachable(), state, caller, call)
             request_id = answer.headers.get("x-request-id")
             status = answer.status
             if status != CLIENT_CLOSED or not call.gone:

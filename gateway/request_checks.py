@@ -1,0 +1,92 @@
+"""What a completion request must satisfy before anything is counted, queued or written: its body,
+the plan's caps, the model's context, and the two headers the platform reads. Plain functions, testable
+without HTTP, Redis or a database; each raises the client's :class:`~gateway.errors.APIError`."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+from pydantic import ValidationError
+
+from billing.plans import AccountTerms
+from flatfare.contract import Endpoint
+from flatfare.storage.models import RequestRecord
+from gateway.errors import APIError, invalid, validation_error
+from gateway.pools import Pool
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+
+_MODELS = {Endpoint.CHAT: ChatCompletionRequest, Endpoint.COMPLETION: CompletionRequest}
+IDEMPOTENCY_WINDOW_S = 24 * 3600
+MAX_IDEMPOTENCY_KEY = 255
+
+
+def parse_body(endpoint: Endpoint, raw: bytes) -> tuple[dict[str, Any], ChatCompletionRequest | CompletionRequest]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise APIError(400, "We could not parse the JSON body of your request. Send a JSON object "
+                       "with 'Content-Type: application/json'.", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise invalid("The request body must be a JSON object.", code="invalid_json")
+    try:
+        parsed = _MODELS[endpoint].model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(list(exc.errors()), body) from None
+    return body, parsed
+
+
+def check_fits(parsed: ChatCompletionRequest | CompletionRequest, pool: Pool) -> None:
+    wanted = parsed.output_tokens()
+    if wanted is not None and wanted > pool.max_model_len:
+        param = "max_completion_tokens" if getattr(parsed, "max_completion_tokens", None) else "max_tokens"
+        raise invalid(f"{param} is too large: {wanted}. The model '{pool.model}' supports at most "
+                      f"{pool.max_model_len} tokens of context.", param=param)
+
+
+def check_caps(parsed: ChatCompletionRequest | CompletionRequest, terms: AccountTerms, body_bytes: int) -> None:
+    """The plan's per-request caps, checked before any quota unit is counted."""
+    plan = terms.plan
+    if body_bytes > plan.max_body_bytes:
+        raise APIError(413, f"The request body is larger than the {plan.name} plan's limit of "
+                       f"{plan.max_body_bytes} bytes.", code="request_too_large")
+    if not plan.allows_model(parsed.model):
+        raise APIError(403, f"The {plan.name} plan does not include the model '{parsed.model}'.",
+                       param="model", code="model_not_allowed")
+    if (parsed.n or 1) > plan.max_n:
+        raise invalid(f"n is {parsed.n}; the {plan.name} plan allows at most {plan.max_n}.", param="n")
+    wanted = parsed.output_tokens()
+    if plan.max_output_tokens is not None and wanted is not None and wanted > plan.max_output_tokens:
+        param = "max_completion_tokens" if getattr(parsed, "max_completion_tokens", None) else "max_tokens"
+        raise invalid(f"{param} is {wanted}; the {plan.name} plan allows at most {plan.max_output_tokens} "
+                      "output tokens per request.", param=param)
+
+
+MAX_QUEUE_DEADLINE_MS = 86_400_000
+
+
+def deadline_ms_of(headers: dict[str, str], now: datetime) -> int:
+    """The wall-clock ms past which a still-queued job is dropped (x-flatfare-max-queue-ms); 0: none."""
+    raw = headers.get("x-flatfare-max-queue-ms")
+    if raw is None:
+        return 0
+    if not raw.strip().isdigit() or not 0 < int(raw) <= MAX_QUEUE_DEADLINE_MS:
+        raise invalid(f"x-flatfare-max-queue-ms must be a whole number of milliseconds from 1 to "
+                      f"{MAX_QUEUE_DEADLINE_MS}.", param="x-flatfare-max-queue-ms")
+    return int(now.timestamp() * 1000) + int(raw)
+
+
+def idempotency_key_of(headers: dict[str, str]) -> str | None:
+    key = headers.get("idempotency-key")
+    if key is None:
+        return None
+    key = key.strip()
+    if not key or len(key) > MAX_IDEMPOTENCY_KEY:
+        raise invalid(f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} characters.", param="Idempotency-Key")
+    return key
+
+
+def expired(record: RequestRecord, now: datetime) -> bool:
+    created = record.created_at if record.created_at.tzinfo else record.created_at.replace(tzinfo=UTC)
+    return (now - created).total_seconds() > IDEMPOTENCY_WINDOW_S
