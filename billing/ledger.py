@@ -82,8 +82,8 @@ class Ledger:
     def __init__(self, sessions: async_sessionmaker[AsyncSession]) -> None:
         self._sessions = sessions
         self._engine: AsyncEngine = sessions.kw["bind"]
-        self._writer_engine = SqliteWriter.for_engine(self._engine)
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger") if self._writer_engine else None
+        self._sqlite = SqliteWriter.for_engine(self._engine)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger") if self._sqlite else None
         self._pending: list[_Write] = []
         self._writer: asyncio.Task[None] | None = None
 
@@ -163,8 +163,8 @@ class Ledger:
                 _settle(batch, None)
 
     async def _commit(self, batch: list[_Write]) -> None:
-        if self._writer_engine is not None:  # SQLite: on the loop if the lock is free, else in the thread
-            writer = self._writer_engine
+        if self._sqlite is not None:  # SQLite: on the loop if the lock is free, else in the thread
+            writer = self._sqlite
             try:
                 writer.transaction(lambda db: _write_batch(db, batch), inline=True)
             except Busy:
@@ -176,12 +176,12 @@ class Ledger:
             await conn.run_sync(lambda sync: _write_batch(_Core(sync), batch))
 
     def _commit_in_thread(self, batch: list[_Write]) -> None:
-        self._writer_engine.transaction(lambda db: _write_batch(db, batch))  # type: ignore[union-attr]
+        self._sqlite.transaction(lambda db: _write_batch(db, batch))  # type: ignore[union-attr]
 
     def dispose(self) -> None:
         """Close the SQLite writer's connection and thread (nothing to do for other databases)."""
-        if self._writer_engine is not None:
-            self._thread.submit(self._writer_engine.close)  # type: ignore[union-attr]
+        if self._sqlite is not None:
+            self._thread.submit(self._sqlite.close)  # type: ignore[union-attr]
             self._thread.shutdown(wait=False)  # type: ignore[union-attr]
 
     async def find_idempotent(self, account_id: int, idempotency_key: str) -> RequestRecord | None:

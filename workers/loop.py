@@ -23,6 +23,7 @@ from flatfare.logs import bind, prompts_enabled
 from workers.claims import Claimed, Claimer
 from workers.metrics import WorkerMetrics
 from workers.presence import Presence, listen_for_cancels, now_ms
+from flatfare.redis_conn import without_read_timeouts
 from workers.replies import BatchedGet, ReplyWriter
 
 log = logging.getLogger("flatfare.worker")
@@ -81,8 +82,11 @@ class WorkerLoop:
         self.lease_ms = int(lease_s * 1000)
         self.pool = info.pool or info.model
         self.claimer = Claimer(redis, self.pool, info.worker_id)
-        self.replies = ReplyWriter(redis)
-        self._lookups = BatchedGet(redis)
+        # Replies, acknowledgements and the cancellation checks share one client whose commands are
+        # bounded per pipeline, not per reply (flatfare.redis_conn.without_read_timeouts).
+        self._bulk = without_read_timeouts(redis)
+        self.replies = ReplyWriter(self._bulk)
+        self._lookups = BatchedGet(self._bulk)
         self.presence = presence or Presence(redis, info)
         self.metrics = metrics
         self.inflight: dict[str, asyncio.Task[None]] = {}
@@ -113,7 +117,7 @@ class WorkerLoop:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
             await self.replies.stop()
-            await self._lookups.aclose()
+            await self._bulk.aclose()
             await self.presence.stop()
 
     @property

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 
 from flatfare import contract
 from flatfare.contract import Job, Reply
-from flatfare.redis_conn import SOCKET_TIMEOUT_S, without_read_timeouts
+from flatfare.redis_conn import SOCKET_TIMEOUT_S
 
 log = logging.getLogger("flatfare.worker")
 
@@ -30,7 +30,9 @@ _Pending = tuple[str, dict[str, str] | bytes | int, bool, str, asyncio.Future[No
 
 class ReplyWriter:
     def __init__(self, redis: aioredis.Redis) -> None:
-        self._redis = without_read_timeouts(redis)
+        # A client without redis-py's per-read timers (flatfare.redis_conn.without_read_timeouts):
+        # one timeout bounds each pipeline instead.
+        self._redis = redis
         self._pending: list[_Pending] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -43,7 +45,6 @@ class ReplyWriter:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        await self._redis.aclose()
 
     def send(self, job: Job, reply: Reply, *, first: bool = False) -> None:
         """Queue a chunk for ``job``'s reply stream; it reaches Redis with the next batch. The first
@@ -120,14 +121,11 @@ class BatchedGet:
     one round trip for their cancellation checks, not 64."""
 
     def __init__(self, redis: aioredis.Redis) -> None:
-        # Without redis-py's per-send and per-read timers (wait_for on every send: visible in the
-        # worker's GPU profile); one timeout bounds each MGET instead.
-        self._redis = without_read_timeouts(redis)
+        # A client without redis-py's per-send and per-read timers (wait_for on every send: visible
+        # in the worker's GPU profile); one timeout bounds each MGET instead.
+        self._redis = redis
         self._keys: list[str] = []
         self._waiters: list[tuple[int, int, asyncio.Future[list[bytes | None]]]] = []
-
-    async def aclose(self) -> None:
-        await self._redis.aclose()
 
     async def get(self, keys: list[str]) -> list[bytes | None]:
         loop = asyncio.get_running_loop()
