@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 import redis as redis_sync
+import redis.asyncio as aioredis
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
+from flatfare.redis_conn import connect
 from flatfare.redis_local import LocalRedis, free_port
 from flatfare.storage.db import migrate
 
@@ -42,6 +44,14 @@ def redis_url(local_redis: LocalRedis) -> Iterator[str]:
     client.flushall()
     client.close()
     yield local_redis.url
+
+
+@pytest.fixture
+async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    """An asyncio client (Flatfare's own, flatfare.redis_conn.connect) on the flushed private server."""
+    client = connect(redis_url)
+    yield client
+    await client.aclose()
 
 
 def postgres_database() -> Iterator[str]:
@@ -179,6 +189,16 @@ def launch_stack(data: Path, *, model: str = "smollm2-135m-instruct", worker_arg
         _stop(gateway)
         _stop(stack.worker)
         local_redis.stop()
+
+
+@contextmanager
+def launch_admin_stack(data: Path, name: str) -> Iterator[Stack]:
+    """An instant-engine stack with an admin token (``stack.admin_token``) bootstrapped as ``name``."""
+    with launch_stack(data, model="instant", worker_args=("--engine", "instant")) as stack:
+        token = stack.cli("admin", "bootstrap", "--name", name)
+        assert token.returncode == 0, token.stderr
+        stack.admin_token = token.stdout.strip()  # type: ignore[attr-defined]
+        yield stack
 
 
 @pytest.fixture(scope="session")

@@ -12,12 +12,6 @@ from billing.quota import EPOCH_KEY, DailyQuota, QuotaUnavailable, counter_key
 from flatfare.redis_conn import connect
 
 
-@pytest.fixture
-async def redis(redis_url: str):
-    client = connect(redis_url)
-    yield client
-    await client.aclose()
-
 
 def _quota(redis, ledger: dict[tuple[int, str], int] | None = None) -> DailyQuota:
     async def counts(days: list[str]) -> dict[tuple[int, str], int]:

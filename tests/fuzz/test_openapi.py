@@ -26,7 +26,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.conftest import Stack, launch_stack
+from tests.conftest import Stack, launch_admin_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -58,10 +58,7 @@ CONFIG = schemathesis.config.SchemathesisConfig.from_dict({
 
 @pytest.fixture(scope="module")
 def fstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with launch_stack(tmp_path_factory.mktemp("fuzz"), model=MODEL, worker_args=("--engine", "instant")) as stack:
-        token = stack.cli("admin", "bootstrap", "--name", "fuzz")
-        assert token.returncode == 0, token.stderr
-        stack.admin_token = token.stdout.strip()  # type: ignore[attr-defined]
+    with launch_admin_stack(tmp_path_factory.mktemp("fuzz"), "fuzz") as stack:
         ids = stack.sql("SELECT k.account_id, k.id FROM api_keys k")[0]
         stack.protected = {"account_id": ids[0], "key_id": ids[1],  # type: ignore[attr-defined]
                            "token_id": stack.sql("SELECT id FROM admin_tokens")[0][0]}

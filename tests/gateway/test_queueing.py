@@ -7,19 +7,11 @@ import pytest
 
 from flatfare import contract
 from flatfare.contract import Endpoint, Job, Lane
-from flatfare.redis_conn import connect
 from gateway.errors import APIError
 from gateway.queueing import DrainRate, LaneLimits, LaneQueue
 
 POOL = "m"
 
-
-@pytest.fixture
-async def redis(redis_url: str):
-    client = connect(redis_url)
-    await client.flushdb()
-    yield client
-    await client.aclose()
 
 
 class Clock:

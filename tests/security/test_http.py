@@ -18,7 +18,7 @@ import redis as redis_sync
 
 from billing.plans import quota_window
 from billing.quota import counter_key
-from tests.conftest import Stack, launch_stack
+from tests.conftest import Stack, launch_admin_stack
 from tests.security.test_limits import json_schema, nested
 from tests.security.test_media import data_url, png
 
@@ -31,10 +31,7 @@ FAST_S = 0.1
 
 @pytest.fixture(scope="module")
 def sstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with launch_stack(tmp_path_factory.mktemp("security"), model=MODEL, worker_args=("--engine", "instant")) as stack:
-        token = stack.cli("admin", "bootstrap", "--name", "security")
-        assert token.returncode == 0, token.stderr
-        stack.admin_token = token.stdout.strip()  # type: ignore[attr-defined]
+    with launch_admin_stack(tmp_path_factory.mktemp("security"), "security") as stack:
         yield stack
 
 

@@ -11,12 +11,11 @@ import io
 import struct
 import time
 import zlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
 import pytest
-import redis.asyncio as aioredis
 
 from flatfare.contract import Endpoint
 from gateway import media
@@ -180,12 +179,6 @@ def test_address_rules() -> None:
 
 
 # -- host names: RequestScreen ----------------------------------------------------------------------
-
-@pytest.fixture
-async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = aioredis.Redis.from_url(redis_url)
-    yield client
-    await client.aclose()
 
 
 def refs(*urls: str) -> list[media.MediaRef]:

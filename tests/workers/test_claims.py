@@ -3,10 +3,8 @@ a real redis-server, in lane order within the worker's free slots."""
 
 from __future__ import annotations
 
-import pytest
 
 from flatfare.contract import Lane
-from flatfare.redis_conn import connect
 from workers.claims import Claimer, LaneShare
 
 
@@ -26,13 +24,6 @@ def test_credit_is_bounded_after_a_long_premium_only_stretch() -> None:
     share.took(Lane.PREMIUM, 10_000)
     assert share.credit == 8.0
 
-
-@pytest.fixture
-async def redis(redis_url: str):
-    client = connect(redis_url)
-    await client.flushdb()
-    yield client
-    await client.aclose()
 
 
 async def test_a_claim_pass_takes_own_then_premium_then_standard_within_free(redis) -> None:
