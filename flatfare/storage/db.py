@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from importlib import resources
 from pathlib import Path
 
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-MIGRATIONS_DIR = REPO_ROOT / "migrations"
+# migrations/ in the repository, installed as this package (pyproject.toml maps it, in a wheel as in
+# an editable install): found through the import system, never beside the source tree.
+MIGRATIONS_PACKAGE = "flatfare.migrations"
 
 _ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg", "postgres": "postgresql+asyncpg"}
 
@@ -52,11 +54,18 @@ def session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     return async_sessionmaker(engine, expire_on_commit=False)
 
 
+def migrations_dir() -> Path:
+    """The folder of alembic's env.py and versions/, wherever Flatfare is installed."""
+    return Path(str(resources.files(MIGRATIONS_PACKAGE)))
+
+
 def alembic_config(url: str):  # noqa: ANN201 - alembic is imported lazily
+    """Alembic's configuration without an alembic.ini (that file is for running ``alembic`` by hand in
+    a checkout): a wheel carries no file outside its packages."""
     from alembic.config import Config
 
     config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.set_main_option("script_location", str(migrations_dir()))
     config.set_main_option("sqlalchemy.url", async_url(url).replace("%", "%%"))
     return config
 
