@@ -1,4 +1,5 @@
-"""docker-compose.yml against the Compose specification's JSON schema, and against the platform."""
+"""docker-compose.yml against the Compose specification's JSON schema, and against the platform: wiring,
+scaling, and images built from the wheel."""
 
 from __future__ import annotations
 
@@ -116,3 +117,35 @@ def test_interpolation_follows_compose_rules() -> None:
     assert interpolate("${SET:-d} ${EMPTY:-d} ${EMPTY-d} ${UNSET-d} $${SET}", env) == "x d  d ${SET}"
     with pytest.raises(KeyError):
         interpolate("${UNSET}", env)
+
+
+# Services run as several replicas: `deploy.replicas`, or `--scale` (README: `--scale worker-cpu=3`).
+SCALED = {"gateway", "worker", "worker-second-model", "worker-cpu"}
+
+
+def test_scaled_services_can_run_side_by_side(spec) -> None:
+    services = spec["services"]
+    assert SCALED <= set(services)
+    # Compose refuses to scale a service with a fixed container name; none needs one.
+    assert [name for name, s in services.items() if "container_name" in s] == []
+    for name in SCALED:
+        service = services[name]
+        # A published host port can be bound by one replica only: replicas are reached on the network
+        # (the proxy, Prometheus' DNS discovery), never through the host.
+        assert "ports" not in service, name
+        # Workers name themselves after their host: each replica must keep the hostname Docker gives it.
+        assert "hostname" not in service and "FLATFARE_WORKER_ID" not in service.get("environment", {}), name
+        # Replicas share their volumes: the models volume (read by all) and read-only files only.
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            assert source in spec["volumes"] or volume.endswith(":ro"), f"{name}: {volume}"
+    published = [str(port).split(":")[0] for s in services.values() for port in s.get("ports", [])]
+    assert len(published) == len(set(published)), published
+
+
+def test_scaled_services_use_images_built_from_the_wheel(spec) -> None:
+    for name in [*SCALED, "migrate"]:
+        build = spec["services"][name]["build"]
+        assert build["context"] == "."
+        text = (REPO / build["dockerfile"]).read_text()
+        assert "AS wheel" in text and "/wheels/flatfare-" in text, f"{name}'s image does not install the wheel"

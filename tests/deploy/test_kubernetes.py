@@ -12,7 +12,7 @@ import pytest
 
 from gateway.metrics import lane_streams
 from gateway.settings import GatewaySettings
-from tests.deploy.files import K8S, k8s_documents, load_yaml
+from tests.deploy.files import K8S, REPO, compose, k8s_documents, load_yaml
 
 KUBERNETES_VERSION = "1.30.0"  # the oldest release still in common support; newer ones accept these too
 KEDA_API = "keda.sh/v1alpha1"
@@ -111,3 +111,26 @@ def test_scaled_objects_scale_a_worker_pool_on_its_models_stream() -> None:
             host, port = metadata["address"].rsplit(":", 1)
             assert host.split(".")[:2] == ["flatfare-redis", "flatfare"]
             assert int(port) == redis_service["spec"]["ports"][0]["port"]
+
+
+def _containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    pod = doc.get("spec", {}).get("template", {}).get("spec", {})
+    return [*pod.get("initContainers", []), *pod.get("containers", [])]
+
+
+def test_pods_run_the_images_compose_builds_from_the_wheel() -> None:
+    # The images `docker compose build` tags (FLATFARE_VERSION unset: latest), each from a Dockerfile whose
+    # first stage builds the wheel that the image installs (tests/deploy/test_images.py).
+    built = {s["image"]: s["build"]["dockerfile"] for s in compose()["services"].values() if "build" in s}
+    for dockerfile in built.values():
+        assert "/wheels/flatfare-" in (REPO / dockerfile).read_text()
+    used = {c["image"] for _, doc in k8s_documents() for c in _containers(doc) if c["image"].startswith("flatfare")}
+    assert used and used <= set(built), f"images that compose does not build: {used - set(built)}"
+    # Kustomize rewrites exactly those images (a registry and tag per release).
+    rewritten = {(i["name"], f"{i['newName']}:{i['newTag']}") for i in load_yaml(K8S / "kustomization.yaml")["images"]}
+    assert {image.split(":")[0] for image in used} == {name for name, _ in rewritten}
+    assert {new for _, new in rewritten} <= set(built)
+    # The migration Job runs `flatfare migrate` from the gateway image: the wheel carries the migrations.
+    (job,) = _documents("Job")
+    (container,) = _containers(job)
+    assert container["image"].startswith("flatfare-gateway:") and container["args"] == ["migrate"]
