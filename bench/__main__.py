@@ -12,6 +12,7 @@ COMMANDS = {
     "gpu": ("bench.gpu", "the same comparison on the lent H200: prepare, device driver, report"),
     "profile": ("bench.profile", "py-spy profiles of the gateway and worker under the overhead load (~1 min)"),
     "scheduling": ("bench.scheduling", "premium vs standard TTFT at 2x overload; prefix routing vs sharing (~10 min)"),
+    "scale": ("bench.scale", "requests/s for 1, 2, 4 worker hosts, hosts as network namespaces; needs root (~3 min)"),
 }
 
 
