@@ -93,6 +93,28 @@ def _summarize(points: list[dict[str, Any]], engine: InstantWorker) -> list[dict
     return rows
 
 
+def _bounds(rows: list[dict[str, Any]], engine: InstantWorker) -> str:
+    """What the figures say limits throughput, in words, with the figures of the largest count."""
+    if not rows:
+        return "(no points)"
+    top = rows[-1]
+    shares = " / ".join(report.fmt(r["of_bound"], 2) for r in rows)
+    return f"""
+The workers' capacity: throughput reaches {shares} of workers x capacity / delay at
+{" / ".join(str(r["worker_hosts"]) for r in rows)} worker hosts. Each request held a worker's slot
+{report.fmt(top["slot_ms_per_req"], 1)} ms at {top["worker_hosts"]} hosts against the engine's
+{engine.delay_s * 1000:.0f} ms; the rest is spent outside the engine (the worker writing the reply,
+acknowledging, claiming the next) on cores that every host shares. The gateway process used
+{report.fmt(top["gateway_cores"], 2)} of a core at {top["worker_hosts"]} hosts
+({report.fmt(top["gateway_cpu_ms_per_req"], 2)} ms of CPU a request), far from what one gateway core
+serves (`overhead.md`), so the shared parts were not the limit at these rates.
+
+What this does not show: the hosts share one kernel and one machine's cores, and the bridge adds no
+latency, loss or bandwidth limit of a real network. A worker host cut off from the bridge is tested,
+not benchmarked: `tests/e2e/test_multihost.py`.
+"""
+
+
 COLUMNS = ["worker_hosts", "runs", "req_per_s", "speedup", "capacity_bound_req_per_s", "of_bound", "slot_ms_per_req",
            "latency_p50_ms",
            "latency_p99_ms", "gateway_cores", "gateway_cpu_ms_per_req", "redis_cores", "workers_cores", "errors"]
@@ -112,7 +134,7 @@ how long each request held a worker's slot: the engine's delay plus the worker's
 `*_cores` are CPU-seconds per second of the gateway process, Redis and all workers together inside
 the measured window (the machine has the cores listed below, shared by every host); `errors` counts
 failed requests and requests left unanswered when a window closed.
-""", info, settings, [("Results (medians over rounds)", table)])
+""", info, settings, [("Results (medians over rounds)", table), ("What bounds it", _bounds(rows, engine))])
     xs = [r["worker_hosts"] for r in rows]
     report.plot_lines(out / "scale.png", "Requests/s against worker hosts (instant engine, capacity-bound)",
                       "worker hosts", "requests/s", {"measured": (xs, [r["req_per_s"] for r in rows]),
