@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Self
 
 SUBNET = ipaddress.ip_network("192.0.2.0/24")
-FIRST_HOST_ADDRESS = 10  # hosts get 192.0.2.10, .11, ...
+FIRST_HOST_ADDRESS = 10  # hosts get 192.0.2.10, .11, ... (skipping the root namespace's own)
 _PREFIX = "ff"
 _OURS = re.compile(rf"^{_PREFIX}(\d+)n\d+-")
 _counter = itertools.count()
@@ -168,7 +168,7 @@ class Network:
         """A new host on the switch, with the next free address of :data:`SUBNET`."""
         if name in self.hosts or len(f"p-{name}") > 15:  # Linux interface names: 15 characters
             raise ValueError(f"host name {name!r} is taken or longer than 13 characters")
-        address = str(SUBNET.network_address + FIRST_HOST_ADDRESS + len(self.hosts))
+        address = self._next_address()
         host = Host(name, f"{self.id}-{name}", address, self)
         self._add_namespace(host.netns)
         # Made inside the switch's namespace with its peer moved straight into the host's: neither
@@ -179,6 +179,16 @@ class Network:
         _ip("-n", host.netns, "link", "set", "eth0", "up")
         self.hosts[name] = host
         return host
+
+    def _next_address(self) -> str:
+        # The machine's own network may be 192.0.2.0/24 too (it is on some CI VMs): skip its
+        # addresses, so that "this address is not the root namespace's" stays checkable.
+        taken = {host.address for host in self.hosts.values()} | set(root_addresses())
+        for offset in range(FIRST_HOST_ADDRESS, SUBNET.num_addresses - 1):
+            address = str(SUBNET.network_address + offset)
+            if address not in taken:
+                return address
+        raise NetworkError(f"no free address left in {SUBNET}")
 
     def set_port(self, host: Host, up: bool) -> None:
         _ip("-n", self.switch, "link", "set", host.port, "up" if up else "down")

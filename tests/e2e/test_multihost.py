@@ -8,6 +8,7 @@ Needs root and ``ip netns``; skipped, saying why, where they are not available."
 from __future__ import annotations
 
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,10 +54,17 @@ def test_the_client_host_is_answered_through_the_gateway_host(cluster: Cluster) 
     assert '"object":"chat.completion"' in answer["body"]
 
 
+def _root_listeners() -> set[str]:
+    """The local addresses of the root namespace's listening TCP sockets."""
+    listed = subprocess.run(["ss", "-Hltn"], capture_output=True, text=True, check=True).stdout
+    return {line.split()[3].rsplit(":", 1)[0] for line in listed.splitlines()}
+
+
 def test_the_hosts_addresses_exist_only_inside_the_namespaces(cluster: Cluster) -> None:
     addresses = {cluster.storage.address, cluster.gateway_host.address, cluster.client.address,
                  *(host.address for host in cluster.worker_hosts.values())}
     assert addresses.isdisjoint(hosts.root_addresses())
+    assert addresses.isdisjoint(_root_listeners())
     assert cluster.client.can_connect(cluster.gateway_host.address, GATEWAY_PORT)
     for address, port in ((cluster.gateway_host.address, GATEWAY_PORT), (cluster.storage.address, REDIS_PORT)):
         with pytest.raises(OSError):  # from the root namespace: unreachable, or nothing there
