@@ -16,13 +16,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from flatfare import contract
 from flatfare.contract import Endpoint, Job, Reply, ReplyKind, Usage, WorkerInfo, WorkerState
 from flatfare.logs import bind, prompts_enabled
 from workers.claims import Claimed, Claimer
 from workers.metrics import WorkerMetrics
-from workers.presence import Presence, listen_for_cancels, now_ms
+from workers.presence import RETRY_S, Presence, listen_for_cancels, now_ms
 from flatfare.redis_conn import without_read_timeouts
 from workers.replies import BatchedGet, ReplyWriter
 
@@ -163,7 +164,21 @@ class WorkerLoop:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
-            self._start_all(await self.claimer.claim(free))
+            try:
+                claimed = await self.claimer.claim(free)
+            except (aioredis.RedisError, OSError) as exc:
+                await self._redis_failed(exc)
+                continue
+            self._start_all(claimed)
+
+    async def _redis_failed(self, exc: Exception) -> None:
+        """Claiming failed: wait for Redis and try again (the engine stays warm). A Redis that lost its
+        data lost the consumer groups too: they are made again."""
+        log.warning("claiming failed (%s: %s); retrying", exc.__class__.__name__, exc)
+        await asyncio.sleep(RETRY_S)
+        if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
+            with contextlib.suppress(aioredis.RedisError, OSError):
+                await self.claimer.setup()
 
     def _start_all(self, claimed: list[Claimed]) -> None:
         for batch in claimed:  # the lanes' drain counters leave with the next batch of replies
@@ -229,7 +244,14 @@ class WorkerLoop:
     async def _handle(self, stream: str, entry_id: bytes, job: Job, reclaimed: bool) -> None:
         bind(request_id=job.request_id, model=self.info.model)  # this task's log lines
         try:
-            checks = await self._checks(job, reclaimed)
+            try:
+                checks = await self._checks(job, reclaimed)
+            except (aioredis.RedisError, OSError, TimeoutError):
+                if reclaimed:  # whether output went out is unknown: leave it for a later takeover
+                    log.warning("takeover of %s postponed: Redis is unreachable", job.request_id)
+                    self._handed_back.add(job.request_id)
+                    return
+                checks = _Checks(cancelled=False, begun=False)  # a cancel still arrives by pub/sub
             if checks.cancelled:
                 log.info("skipping %s: its client went away while it was queued", job.request_id)
                 self._ended_without_reply("skipped")

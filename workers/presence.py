@@ -15,6 +15,9 @@ from flatfare.contract import WorkerInfo, WorkerState
 
 log = logging.getLogger("flatfare.worker")
 
+# Pause before trying Redis again after it failed.
+RETRY_S = 0.5
+
 
 def now_ms() -> int:
     return int(time.time() * 1000)
@@ -76,13 +79,19 @@ class Presence:
 
 
 async def listen_for_cancels(redis: aioredis.Redis, on_cancel: Callable[[str], None]) -> None:
-    """Call ``on_cancel(request_id)`` for every cancellation a gateway publishes."""
-    pubsub = redis.pubsub(ignore_subscribe_messages=True)
-    await pubsub.subscribe(contract.CANCEL_CHANNEL)
-    try:
-        async for message in pubsub.listen():
-            data = message["data"]
-            on_cancel(data.decode() if isinstance(data, bytes) else data)
-    finally:
-        with contextlib.suppress(Exception):
-            await pubsub.aclose()
+    """Call ``on_cancel(request_id)`` for every cancellation a gateway publishes; subscribes again
+    after Redis comes back (a cancellation published meanwhile is still seen: the cancel key the
+    worker checks before it runs a job)."""
+    while True:
+        pubsub = redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(contract.CANCEL_CHANNEL)
+            async for message in pubsub.listen():
+                data = message["data"]
+                on_cancel(data.decode() if isinstance(data, bytes) else data)
+        except (aioredis.RedisError, OSError) as exc:
+            log.warning("cancellations: %s; subscribing again", exc.__class__.__name__)
+            await asyncio.sleep(RETRY_S)
+        finally:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()

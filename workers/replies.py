@@ -6,6 +6,10 @@ waiting; the writer task sends everything queued in one pipeline, in order, so e
 keeps its order. A terminal reply is awaited: when it returns, it and every chunk before it are in
 Redis, and only then is the job acknowledged, through the same batches (the jobs that end in one
 loop turn share one round trip for their acknowledgements too).
+
+A batch that fails (Redis restarting, a network blip) is sent again, ahead of anything newer, until
+it goes through or :data:`GIVE_UP_S` passes: dropping it would leave a hole in a stream that still
+ends normally, an answer missing words with nothing to say so.
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ from flatfare.contract import Job, Reply
 from flatfare.redis_conn import SOCKET_TIMEOUT_S
 
 log = logging.getLogger("flatfare.worker")
+
+# How long a failing batch is retried before its waiters hear of the failure (and it is dropped).
+GIVE_UP_S = 30.0
+RETRY_EVERY_S = 0.2
 
 # (key, reply fields, set the reply TTL, the request's begun marker to set or "", done) for a reply;
 # (stream, entry id, False, the begun marker to delete or "", done) for an acknowledgement;
@@ -74,6 +82,7 @@ class ReplyWriter:
         await done
 
     async def _run(self) -> None:
+        failing_since = 0.0
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -99,11 +108,22 @@ class ReplyWriter:
                             pipe.set(begun, 1, ex=contract.REPLY_TTL_S)
                     await pipe.execute()
             except (aioredis.RedisError, OSError, TimeoutError) as exc:
-                log.warning("writing %d replies and acknowledgements failed: %s", len(batch), exc)
+                now = asyncio.get_running_loop().time()
+                failing_since = failing_since or now
+                if now - failing_since < GIVE_UP_S:
+                    log.warning("writing %d replies and acknowledgements failed (%s); retrying", len(batch), exc)
+                    self._pending[:0] = batch  # first again, so every stream keeps its order
+                    await asyncio.sleep(RETRY_EVERY_S)
+                    self._wake.set()
+                    continue
+                log.error("writing %d replies and acknowledgements failed for %.0f s: %s", len(batch),
+                          now - failing_since, exc)
+                failing_since = 0.0
                 for *_, done in batch:
                     if done is not None and not done.done():
                         done.set_exception(exc)
                 continue
+            failing_since = 0.0
             for *_, done in batch:
                 if done is not None and not done.done():
                     done.set_result(None)
