@@ -13,6 +13,7 @@ transaction per row, cost ~10 ms of CPU a request on SQLite here (bench/results/
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -20,7 +21,7 @@ from typing import Any, Protocol
 from concurrent.futures import ThreadPoolExecutor
 
 from sqlalchemy import Connection, bindparam, func, insert, select, update
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from billing.ledger_sqlite import Busy, SqliteWriter
@@ -54,10 +55,14 @@ class DuplicateIdempotencyKey(Exception):
     """The account already sent a request with this Idempotency-Key."""
 
 
+log = logging.getLogger("flatfare.billing")
+
 _REQUESTS = RequestRecord.__table__
 _OUTBOX = UsageOutbox.__table__
 # Most writes a transaction takes; more wait for the next one.
 MAX_BATCH = 256
+# Seconds between tries of closes waiting for an unreachable database.
+RETRY_S = 0.5
 
 _OPEN = insert(_REQUESTS)
 _CLOSE = (update(_REQUESTS)
@@ -124,7 +129,15 @@ class Ledger:
 
     async def close(self, request_id: str, outcome: Outcome) -> None:
         """Make the row final; a late duplicate (the row is no longer queued) changes nothing."""
-        await asyncio.shield(self._queue(request_id, outcome=outcome))
+        await asyncio.shield(self.start_close(request_id, outcome))
+
+    def start_close(self, request_id: str, outcome: Outcome) -> asyncio.Future[None]:
+        """Queue the row's close; the future is done once it is committed. While the database is
+        unreachable, closes wait in memory and are tried again every :data:`RETRY_S` (an open, by
+        contrast, fails at once: its request is refused)."""
+        done = self._queue(request_id, outcome=outcome)
+        done.add_done_callback(_retrieve)
+        return done
 
     def _queue(self, request_id: str, *, opening: dict[str, object] | None = None,
                outcome: Outcome | None = None) -> asyncio.Future[None]:
@@ -141,7 +154,16 @@ class Ledger:
             batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
             try:
                 await self._commit(batch)
-            except SQLAlchemyError as exc:
+            except (SQLAlchemyError, OSError) as exc:
+                if _unreachable(exc):
+                    # Opens fail now (their requests are refused); closes wait for the database.
+                    closes = [write for write in batch if write.opening is None]
+                    _settle([write for write in batch if write.opening is not None], exc)
+                    if closes:
+                        log.warning("ledger unreachable (%s); %d closes wait", exc.__class__.__name__, len(closes))
+                        self._pending[:0] = closes
+                        await asyncio.sleep(RETRY_S)
+                    continue
                 if len(batch) == 1:
                     _settle(batch, exc)
                     continue
@@ -195,6 +217,21 @@ class Ledger:
             await session.execute(update(RequestRecord).where(RequestRecord.id == request_id)
                                   .values(idempotency_key=None))
             await session.commit()
+
+    async def abandon(self, request_ids: list[str], error_code: str) -> dict[str, bool]:
+        """Close the rows still open among ``request_ids`` as failed and free (their gateway died
+        before it could settle them); returns whether each existing row is billable now. An id
+        without a row is absent from the answer."""
+        now = datetime.now(UTC)
+        async with self._engine.begin() as conn:
+            await conn.execute(
+                update(_REQUESTS).where(_REQUESTS.c.id.in_(request_ids),
+                                        _REQUESTS.c.status == RequestStatus.QUEUED.value)
+                .values(status=RequestStatus.FAILED.value, http_status=502, finished_at=now,
+                        error_code=error_code, billable=False))
+            rows = await conn.execute(select(_REQUESTS.c.id, _REQUESTS.c.billable)
+                                      .where(_REQUESTS.c.id.in_(request_ids)))
+            return {request_id: bool(billable) for request_id, billable in rows}
 
     async def billable_counts(self, days: list[str]) -> dict[tuple[int, str], int]:
         """Billable requests per (account, quota day): what the quota counters must say."""
@@ -286,6 +323,12 @@ def _write_batch(db: _Statements, batch: list[_Write]) -> None:
     db.close_rows(updates)
     if meters:
         db.insert_meters(meters)
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """The database is away (down, restarting, locked), as opposed to refusing this write."""
+    return (isinstance(exc, (OperationalError, InterfaceError, OSError))
+            or bool(getattr(exc, "connection_invalidated", False)))
 
 
 def _retrieve(done: asyncio.Future[None]) -> None:

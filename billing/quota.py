@@ -8,12 +8,20 @@ before its first token gives its unit back. If Redis is unreachable the caller g
 Counters are only trusted while the marker key ``ff:quota:epoch`` exists. A Redis that lost its
 data (restart without persistence, failover, flush) has no marker: the script then refuses to
 count, and :meth:`DailyQuota.rebuild` recomputes the recent days' counters from the SQL ledger
-before setting the marker again.
+before setting the marker again. The marker's value is the counters' generation: a new one each
+rebuild.
+
+Every counted unit is also *held* by the gateway process that counted it, in that process's hash
+``contract.held_units(gateway_id)`` (request id -> "account:day"), until the request is settled:
+a billable request releases it, a free one gives it back. The give-back script removes the held
+entry and decrements in one step, so a unit is given back at most once, whoever does it: the
+gateway itself, or the reaper (gateway/held.py) for a gateway that died with units held.
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
@@ -30,7 +38,8 @@ EXPIRY_SLACK_S = 3600
 # puts the job on its lane in the same script. KEYS[1]: the day's counter, KEYS[2]: the epoch marker;
 # ARGV[1]: the limit (-1: none). Leaves ``used``; returns early when the request may not be counted.
 QUOTA_CHECK = """
-if redis.call('EXISTS', KEYS[2]) == 0 then return {-1, 0} end
+local generation = redis.call('GET', KEYS[2])
+if not generation then return {-1, 0} end
 local used = tonumber(redis.call('GET', KEYS[1]) or '0')
 if ARGV[1] ~= '-1' and used >= tonumber(ARGV[1]) then return {0, used} end
 """
@@ -42,7 +51,13 @@ redis.call('EXPIREAT', KEYS[1], ARGV[2])
 _TAKE = QUOTA_CHECK + QUOTA_COUNT + "return {1, used}\n"
 REBUILT = -1
 
+# KEYS: the day's counter, the holder's hash, the epoch marker; ARGV: the request id, the generation
+# it was counted in ('': only if still held). A unit no longer held was released or given back
+# already, unless the counters were rebuilt since it was counted (the holder's hash went with the
+# lost data, and the rebuild counted the request's open ledger row).
 _GIVE_BACK = """
+if redis.call('HDEL', KEYS[2], ARGV[1]) == 0
+    and (ARGV[2] == '' or redis.call('GET', KEYS[3]) == ARGV[2]) then return -1 end
 local used = tonumber(redis.call('GET', KEYS[1]) or '0')
 if used > 0 then return redis.call('DECR', KEYS[1]) end
 return 0
@@ -98,11 +113,16 @@ class DailyQuota:
             await self.rebuild(day)
         raise QuotaUnavailable("the quota counters are being rebuilt; retry shortly")
 
-    async def give_back(self, account_id: int, day: str) -> None:
+    async def give_back(self, account_id: int, day: str, request_id: str, holder: str, generation: str) -> bool:
+        """Give back the unit ``holder`` (a held-units hash) holds for the request; False if it was
+        released or given back already. ``generation``: the counters' generation the unit was counted
+        in, or '' to give it back only if it is still held."""
         try:
-            await self._give_back(keys=[counter_key(account_id, day)])
+            left = await self._give_back(keys=[counter_key(account_id, day), holder, EPOCH_KEY],
+                                         args=[request_id, generation])
         except (RedisError, OSError) as exc:
             raise QuotaUnavailable(str(exc)) from exc
+        return left != -1
 
     async def used(self, account_id: int, day: str) -> int:
         try:
@@ -134,7 +154,7 @@ class DailyQuota:
                         pipe.delete(*stale)
                     for (account_id, count_day), count in counts.items():
                         pipe.set(counter_key(account_id, count_day), count, ex=3 * 86400)
-                    pipe.set(EPOCH_KEY, 1)
+                    pipe.set(EPOCH_KEY, uuid.uuid4().hex)  # a new generation
                     await pipe.execute()
             finally:
                 await self._redis.delete(REBUILD_LOCK_KEY)

@@ -33,6 +33,8 @@ class StripeConfig:
     api_base: str | None = None
     meter_event_name: str = "flatfare_requests"
     webhook_tolerance_s: int = 300
+    # Per call; a call that times out is retried later (meter events safely: see send_meter_event).
+    timeout_s: float = 20.0
 
 
 def _translate(exc: stripe.StripeError) -> BillingError:
@@ -46,7 +48,7 @@ class StripeGateway:
         self.config = config
         base = {"api": config.api_base} if config.api_base else None
         self._client = stripe.StripeClient(config.api_key, base_addresses=base, max_network_retries=0,
-                                           http_client=stripe.HTTPXClient(timeout=20))
+                                           http_client=stripe.HTTPXClient(timeout=config.timeout_s))
 
     async def _call(self, coroutine: Any) -> Any:
         try:
@@ -73,10 +75,13 @@ class StripeGateway:
         return session.url
 
     async def send_meter_event(self, *, customer_id: str, identifier: str, timestamp: int, value: int = 1) -> None:
-        """One billable request; Stripe drops a repeated ``identifier``, so a retry never double-bills."""
+        """One billable request, sent as many times as it takes, billed once: Stripe keeps one event per
+        ``identifier``, and the idempotency key makes a retry of a call whose answer was lost (a
+        timeout after Stripe recorded it) get the first call's answer instead of a duplicate's error."""
         await self._call(self._client.v1.billing.meter_events.create_async(params={
             "event_name": self.config.meter_event_name, "identifier": identifier, "timestamp": timestamp,
-            "payload": {"stripe_customer_id": customer_id, "value": str(value)}}))
+            "payload": {"stripe_customer_id": customer_id, "value": str(value)}},
+            options={"idempotency_key": f"meter-{identifier}"}))
 
     def verify_webhook(self, payload: bytes, signature: str | None) -> dict[str, Any]:
         """The event as a dict, after checking its signature and a 300 s timestamp tolerance."""

@@ -51,6 +51,8 @@ WORKER_TTL_S = 5.0
 # A reply stream outlives its request by this much, so a gateway that died mid-read leaves no garbage.
 REPLY_TTL_S = 600
 CANCEL_TTL_S = 600
+# Gateway processes by their last sign of life (ms): a sorted set.
+GATEWAYS_KEY = f"{PREFIX}:gateways"
 
 
 class Lane(StrEnum):
@@ -100,6 +102,10 @@ def gateway_replies(gateway_id: str) -> str:
     """The reply stream one gateway process reads for every request it holds (entries name their
     request with the ``i`` field): one blocking read serves all of them."""
     return f"{PREFIX}:replies:{gateway_id}"
+
+
+def held_units(gateway_id: str) -> str:
+    return f"{PREFIX}:held:{gateway_id}"
 
 
 def begun_key(request_id: str) -> str:

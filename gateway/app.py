@@ -24,6 +24,7 @@ from gateway.admin.auth import AdminAuthenticator
 from gateway.auth import Authenticator
 from gateway.completions import CompletionService
 from gateway.errors import install_handlers
+from gateway.held import HeldUnits
 from gateway.metrics import GatewayMetrics, RequestObserver
 from gateway.metrics import router as metrics_router
 from gateway.openai_asgi import CompletionRoutes
@@ -64,10 +65,12 @@ def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
                   Lane.STANDARD: LaneLimits(settings.max_queue_depth_standard, settings.max_queue_wait_s_standard)}
         router = ReplyRouter(redis, settings.request_timeout_s)
         router.start()
+        held = HeldUnits(redis, router.gateway_id, ledger, state.quota, settings.gateway_dead_after_s)
+        held.start()
         state.completions = CompletionService(
             state.pools, router, Replies(redis), ledger, state.plans, state.quota,
-            LaneQueue(redis, limits, state.quota), PrefixRouter(redis, settings.prefix_routing), metrics,
-            RequestScreen(redis))
+            LaneQueue(redis, limits, state.quota, held.key), PrefixRouter(redis, settings.prefix_routing), held,
+            metrics, RequestScreen(redis))
         state.accounts = AccountStore(sessions)
         state.stripe = None
         state.webhooks = WebhookProcessor(sessions, {price: plan for plan, price in settings.stripe_prices.items()})
@@ -83,6 +86,7 @@ def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
             stop.set()
             await asyncio.gather(*background, return_exceptions=True)
             await router.stop()
+            await held.stop()
             ledger.dispose()
             await redis.aclose()
             await engine.dispose()

@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 import orjson
@@ -30,6 +30,7 @@ from flatfare.storage.models import RequestRecord, RequestStatus
 from gateway.affinity import PrefixRouter, prefix_hash
 from gateway.auth import Caller
 from gateway.errors import APIError, error_body
+from gateway.held import HeldUnits
 from gateway.metrics import GatewayMetrics
 from gateway.plans import PlanBook
 from gateway.pools import Pools
@@ -51,6 +52,8 @@ _DONE = b"data: [DONE]\n\n"
 CLIENT_CLOSED = 499
 # A request still waiting for its first reply after this long starts watching for its client leaving.
 WATCH_AFTER_S = 0.05
+# How long an answer's end waits for its ledger row to close before leaving that to the background.
+CLOSE_WAIT_S = 2.0
 
 
 def new_request_id() -> str:
@@ -154,11 +157,13 @@ class Admission:
     lane: str = ""
     # The idempotent request's own reply stream is kept for replays.
     keep_reply: bool = False
+    # The quota counters' generation its unit was counted in (see billing.quota's give-back).
+    generation: str = ""
 
 
 class CompletionService:
     def __init__(self, pools: Pools, router: ReplyRouter, replies: Replies, ledger: Ledger, plans: PlanBook,
-                 quota: DailyQuota, queue: LaneQueue, prefixes: PrefixRouter,
+                 quota: DailyQuota, queue: LaneQueue, prefixes: PrefixRouter, held: HeldUnits,
                  metrics: GatewayMetrics | None = None, screen: RequestScreen | None = None) -> None:
         self._pools = pools
         self._router = router
@@ -168,6 +173,8 @@ class CompletionService:
         self._ledger = ledger
         self._plans = plans
         self._quota = quota
+        self._held = held
+        self._background: set[asyncio.Future[None]] = set()
         self._metrics = metrics or GatewayMetrics()
         self._screen = screen
 
@@ -219,7 +226,7 @@ class CompletionService:
             except DuplicateIdempotencyKey:
                 existing = await self._ledger.find_idempotent(caller.account_id, idempotency_key)
                 return await self._replay(existing, body_sha256, call)
-            except SQLAlchemyError:
+            except (SQLAlchemyError, OSError):
                 raise _ledger_unavailable() from None
         prefix = prefix_hash(endpoint, body) if self._prefixes.enabled else ""
         inbox = self._router.follow(admission.request_id) if idempotency_key else self._router.open(admission.request_id)
@@ -237,6 +244,7 @@ class CompletionService:
                 await self._ledger.close(admission.request_id, Outcome(RequestStatus.FAILED, status, error_code=code,
                                                                        billable=False))
             raise self._refusal(exc, terms, window, now) from None
+        admission = replace(admission, generation=admitted.generation)
         call.ratelimit = ratelimit_headers(terms.daily_limit, admitted.used, window, now)
         # The row is written while the job runs; no answer leaves before it is committed.
         opening = None if idempotency_key else self._ledger.start_open(**row)
@@ -262,22 +270,50 @@ class CompletionService:
 
     async def _give_back(self, admission: Admission) -> None:
         try:
-            await self._quota.give_back(admission.account_id, admission.quota_day)
+            await self._quota.give_back(admission.account_id, admission.quota_day, admission.request_id,
+                                        self._held.key, admission.generation)
         except QuotaUnavailable:
-            log.error("could not give back the quota unit of %s: Redis is unreachable", admission.request_id)
+            log.warning("giving back the unit of %s waits for Redis", admission.request_id)
+            self._held.give_back_later(admission.account_id, admission.quota_day, admission.request_id,
+                                       admission.generation)
 
     async def _settle(self, admission: Admission, outcome: Outcome) -> None:
-        """Close the ledger row, give the unit back if nothing was produced, keep a replayable stream."""
+        """Close the ledger row, then settle the unit: a charged request releases it, a free one gives
+        it back. While the database is away the answer does not wait for it: the row closes (and
+        the unit is settled) when it is back, and until then the unit stays held, so a gateway that
+        dies meanwhile still has it settled by the reaper."""
         if not admission.owner:
             return
-        await self._ledger.close(admission.request_id, outcome)
+        closing = self._ledger.start_close(admission.request_id, outcome)
         self._metrics.finished(admission.model, admission.lane, outcome.status.value, queue_ms=outcome.queue_ms,
                                prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens)
-        if not outcome.billable:
-            await self._give_back(admission)
         if admission.keep_reply:
             with contextlib.suppress(RedisError):
                 await self._replies.keep(admission.request_id, IDEMPOTENCY_WINDOW_S)
+        try:
+            async with asyncio.timeout(CLOSE_WAIT_S):
+                await asyncio.shield(closing)
+        except TimeoutError:
+            log.warning("the ledger row of %s closes when the database is back", admission.request_id)
+            closing.add_done_callback(lambda _f: self._later(self._settle_unit(admission, outcome, closing)))
+            return
+        except Exception:  # noqa: BLE001 - bookkeeping must not break an answer already given
+            log.exception("closing the ledger row of %s failed; its unit stays held", admission.request_id)
+            return
+        await self._settle_unit(admission, outcome, closing)
+
+    async def _settle_unit(self, admission: Admission, outcome: Outcome, closed: asyncio.Future[None]) -> None:
+        if closed.cancelled() or closed.exception() is not None:
+            return  # the row is still open: the unit stays held
+        if outcome.billable:
+            self._held.release(admission.request_id)
+        else:
+            await self._give_back(admission)
+
+    def _later(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _abandon(self, admission: Admission, status: RequestStatus, http_status: int, code: str,
                        billable: bool) -> None:
@@ -333,7 +369,7 @@ class CompletionService:
         """Wait for the request's ledger row; without it the request is withdrawn, free."""
         try:
             await self._ledger.opened(opening)
-        except SQLAlchemyError:
+        except (SQLAlchemyError, OSError):  # asyncpg's refused connection is a bare OSError
             with contextlib.suppress(RedisError):
                 await self._replies.cancel(admission.request_id)
             await self._give_back(admission)

@@ -9,6 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from redis.exceptions import RedisError
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 _TYPES = {
@@ -77,6 +78,12 @@ def queue_unreachable() -> APIError:
                     headers={"Retry-After": "1"})
 
 
+def database_unavailable() -> APIError:
+    """The accounts and ledger database cannot be reached: nothing is counted or queued."""
+    return APIError(503, "The platform's database is unreachable; retry shortly.", code="database_unavailable",
+                    headers={"Retry-After": "1"})
+
+
 def invalid(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
 
@@ -133,6 +140,10 @@ def install_handlers(app: FastAPI) -> None:
     async def _redis_down(_: Request, exc: RedisError) -> JSONResponse:
         # Fail closed: without Redis nothing can be counted, queued or routed.
         return queue_unreachable().response()
+
+    @app.exception_handler(SQLAlchemyError)
+    async def _database_down(_: Request, exc: SQLAlchemyError) -> JSONResponse:
+        return database_unavailable().response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

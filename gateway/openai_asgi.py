@@ -20,13 +20,14 @@ from typing import Any
 
 import orjson
 from redis.exceptions import RedisError
+from sqlalchemy.exc import SQLAlchemyError
 from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 
 from flatfare.contract import Endpoint
 from gateway.auth import Caller
 from gateway.completions import CLIENT_CLOSED, Answer, Call
-from gateway.errors import APIError, error_body, queue_unreachable
+from gateway.errors import APIError, database_unavailable, error_body, queue_unreachable
 from gateway.metrics import GatewayMetrics, observe
 from gateway.ratelimit import current_headers
 
@@ -84,6 +85,8 @@ class CompletionRoutes:
                 answer = await _error(exc, state, caller, call)
             except RedisError:
                 answer = await _error(queue_unreachable(), state, caller, call)
+            except (SQLAlchemyError, OSError):  # accounts or plans unreadable: nothing was counted
+                answer = await _error(database_unavailable(), state, None, call)
             request_id = answer.headers.get("x-request-id")
             status = answer.status
             if status != CLIENT_CLOSED or not call.gone:

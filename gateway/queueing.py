@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,19 +35,20 @@ local id = redis.call('XADD', KEYS[1], '*', unpack(fields))
 return {1, queued + 1, id}
 """
 
-# KEYS: the day's quota counter, the quota epoch marker, the lane (or worker) stream.
-# ARGV: limit (-1: none), counter expiry, lane bound, consumer group, the job's fields...
-# Returns {-1, 0}: counters being rebuilt; {0, used}: quota spent; {2, used, queued}: lane full;
-# {1, used, queued, entry id}: counted and queued.
+# KEYS: the day's quota counter, the quota epoch marker, the lane (or worker) stream, this gateway
+# process's held units. ARGV: limit (-1: none), counter expiry, lane bound, consumer group, request
+# id, "account:day", the job's fields... Returns {-1, 0}: counters being rebuilt; {0, used}: quota
+# spent; {2, used, queued}: lane full; {1, used, queued, entry id, generation}: counted, held, queued.
 _ADMIT_COUNTED = QUOTA_CHECK + """
 local ok, pending = pcall(redis.call, 'XPENDING', KEYS[3], ARGV[4])
 local queued = redis.call('XLEN', KEYS[3]) - (ok and pending[1] or 0)
 if queued >= tonumber(ARGV[3]) then return {2, used, queued} end
 """ + QUOTA_COUNT + """
+redis.call('HSET', KEYS[4], ARGV[5], ARGV[6])
 local fields = {}
-for i = 5, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 7, #ARGV do fields[#fields + 1] = ARGV[i] end
 local id = redis.call('XADD', KEYS[3], '*', unpack(fields))
-return {1, used, queued + 1, id}
+return {1, used, queued + 1, id, generation}
 """
 QUOTA_SPENT, ADMITTED, LANE_FULL = 0, 1, 2
 
@@ -126,10 +128,12 @@ class QuotaClaim:
 
 @dataclass(frozen=True, slots=True)
 class Admitted:
-    """The quota count after the request was counted, and where its job waits."""
+    """The quota count after the request was counted, where its job waits, and the counters'
+    generation it was counted in (for giving the unit back)."""
 
     used: int
     queued: Queued
+    generation: str
 
 
 class QuotaSpent(Exception):
@@ -141,8 +145,12 @@ class QuotaSpent(Exception):
 
 
 class LaneQueue:
-    def __init__(self, redis: aioredis.Redis, limits: dict[Lane, LaneLimits], quota: DailyQuota | None = None) -> None:
+    def __init__(self, redis: aioredis.Redis, limits: dict[Lane, LaneLimits], quota: DailyQuota | None = None,
+                 holder: str = "") -> None:
         self._redis = redis
+        # This gateway process's held-units hash (contract.held_units): every admitted unit is held
+        # there until its request settles.
+        self.holder = holder or contract.held_units(uuid.uuid4().hex[:16])
         self._admit = redis.register_script(_ADMIT)
         self._admit_counted = redis.register_script(_ADMIT_COUNTED)
         self._withdraw = redis.register_script(_WITHDRAW)
@@ -151,22 +159,22 @@ class LaneQueue:
         self.drain = DrainRate(redis)
 
     async def admit(self, job: Job, pool: str, claim: QuotaClaim, stream: str | None = None) -> Admitted:
-        """Count the request against its quota and queue its job, in one script.
+        """Count the request against its quota, hold the unit, and queue its job, in one script.
 
         Raises :class:`QuotaSpent` (nothing counted), 429 ``queue_full`` (nothing counted),
         :class:`~billing.quota.QuotaUnavailable` when Redis is unreachable or the counters cannot be
         rebuilt."""
         max_depth, rate = await self._bound(job.lane, pool)
         target = stream or contract.job_stream(pool, job.lane)
-        keys = [counter_key(claim.account_id, claim.day), EPOCH_KEY, target]
+        keys = [counter_key(claim.account_id, claim.day), EPOCH_KEY, target, self.holder]
         args = [-1 if claim.limit is None else claim.limit, claim.expire_at, max_depth, contract.POOL_GROUP,
-                *_flat(job)]
+                job.request_id, f"{claim.account_id}:{claim.day}", *_flat(job)]
         for _ in range(50):
             try:
                 try:
                     # EVALSHA directly: redis-py's Script.__call__ adds an isinstance check against a
                     # Protocol class and copies its arguments, a visible cost on this path.
-                    outcome, used, *rest = await self._redis.evalsha(self._admit_counted.sha, 3, *keys, *args)
+                    outcome, used, *rest = await self._redis.evalsha(self._admit_counted.sha, 4, *keys, *args)
                 except NoScriptError:  # a restarted or flushed server: load it through redis-py
                     outcome, used, *rest = await self._admit_counted(keys=keys, args=args)
             except (aioredis.RedisError, OSError) as exc:
@@ -185,8 +193,8 @@ class LaneQueue:
             self.drain.saw(pool, job.lane, depth - 1 if outcome == ADMITTED else depth)
         if outcome == LANE_FULL:
             raise _full(job.lane, depth, retry_after(depth, rate))
-        entry_id = rest[1].decode() if isinstance(rest[1], bytes) else rest[1]
-        return Admitted(int(used), Queued(stream=target, entry_id=entry_id, depth=depth))
+        entry_id, generation = (value.decode() if isinstance(value, bytes) else value for value in rest[1:3])
+        return Admitted(int(used), Queued(stream=target, entry_id=entry_id, depth=depth), generation)
 
     async def _bound(self, lane: Lane, pool: str) -> tuple[int, float]:
         """The lane's depth bound now, and the drain rate it came from (0.0: not known)."""

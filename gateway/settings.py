@@ -21,6 +21,9 @@ class GatewaySettings(CommonSettings):
     max_body_bytes: int = 8 * 1024 * 1024
     # How long a request may wait for its worker's answer, queued and running together.
     request_timeout_s: float = 600.0
+    # A gateway process silent this long died: another one settles the quota units it held
+    # (gateway/held.py). Processes renew every 0.5 s.
+    gateway_dead_after_s: float = 30.0
     # How long an authenticated key, the catalog and the live-worker view are reused in-process.
     auth_cache_ttl_s: float = 0.5
     pools_cache_ttl_s: float = 0.5
@@ -46,6 +49,8 @@ class GatewaySettings(CommonSettings):
     # Flatfare plan -> Stripe Price id, e.g. {"pro": "price_123", "premium": "price_456"}.
     stripe_prices: dict[str, str] = Field(default_factory=dict)
     stripe_meter_event_name: str = "flatfare_requests"
+    # Seconds a Stripe call may take before it counts as failed (and is retried, for meter events).
+    stripe_timeout_s: float = 20.0
     # Where Checkout and the customer portal send the developer back to.
     public_url: str = "http://127.0.0.1:8000"
     # Seconds between passes of the meter-event outbox (run by one gateway process at a time).
@@ -58,4 +63,5 @@ class GatewaySettings(CommonSettings):
     def stripe_config(self) -> StripeConfig:
         return StripeConfig(api_key=self.stripe_api_key.get_secret_value(),
                             webhook_secret=self.stripe_webhook_secret.get_secret_value(),
-                            api_base=self.stripe_api_base or None, meter_event_name=self.stripe_meter_event_name)
+                            api_base=self.stripe_api_base or None, meter_event_name=self.stripe_meter_event_name,
+                            timeout_s=self.stripe_timeout_s)

@@ -42,18 +42,6 @@ async def test_day_boundary_with_an_injected_clock(redis) -> None:
     assert ttl > 0  # counters expire on their own
 
 
-async def test_give_back_returns_one_unit_and_never_goes_negative(redis) -> None:
-    quota = _quota(redis)
-    window = quota_window("UTC", datetime.now(UTC))
-    await quota.take(3, window.day, 2, window.resets_at)
-    await quota.take(3, window.day, 2, window.resets_at)
-    assert not (await quota.take(3, window.day, 2, window.resets_at)).allowed
-    await quota.give_back(3, window.day)
-    assert (await quota.take(3, window.day, 2, window.resets_at)).allowed
-    await quota.give_back(4, window.day)
-    assert await quota.used(4, window.day) == 0
-
-
 async def test_unlimited_accounts_are_counted_but_never_refused(redis) -> None:
     quota = _quota(redis)
     window = quota_window("UTC", datetime.now(UTC))

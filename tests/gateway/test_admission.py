@@ -133,3 +133,32 @@ async def test_admission_survives_a_script_flush(redis) -> None:
     admitted = await asyncio.gather(*(queue.admit(_job(i), POOL, claim) for i in range(20)))
     assert sorted(a.used for a in admitted) == list(range(1, 21))
     assert await redis.xlen(contract.job_stream(POOL, Lane.STANDARD)) == 20
+
+
+async def test_an_admitted_unit_is_held_and_given_back_at_most_once(redis) -> None:
+    queue, claim = _queue(redis), _claim(6, 2)
+    first = await queue.admit(_job(0), POOL, claim)
+    await queue.admit(_job(1), POOL, claim)
+    assert await redis.hgetall(queue.holder) == {b"r0": f"6:{claim.day}".encode(), b"r1": f"6:{claim.day}".encode()}
+    quota = DailyQuota(redis, _no_counts)
+    assert await quota.give_back(6, claim.day, "r0", queue.holder, first.generation)
+    assert not await quota.give_back(6, claim.day, "r0", queue.holder, first.generation)  # a second time: nothing
+    assert not await quota.give_back(6, claim.day, "never-held", queue.holder, "")
+    assert int(await redis.get(counter_key(6, claim.day))) == 1
+    assert await redis.hkeys(queue.holder) == [b"r1"]
+
+
+async def test_a_unit_counted_before_a_rebuild_is_given_back_after_it(redis) -> None:
+    claim = _claim(7, 5)
+    queue = _queue(redis, ledger={(7, claim.day): 1})  # its open row, as the rebuild will find it
+    admitted = await queue.admit(_job(0), POOL, claim)
+    await redis.flushdb()  # the held hash is lost with the counters
+    again = await queue.admit(_job(1), POOL, claim)
+    assert again.used == 2 and again.generation != admitted.generation
+    quota = DailyQuota(redis, _no_counts)
+    assert await quota.give_back(7, claim.day, "r0", queue.holder, admitted.generation)
+    assert int(await redis.get(counter_key(7, claim.day))) == 1
+
+
+async def _no_counts(days: list[str]) -> dict[tuple[int, str], int]:
+    return {}
