@@ -35,5 +35,17 @@ if [[ "$extras" == *test* ]] && [ ! -x .venv/bin/promtool ] && command -v apt-ge
     fi
     rm -rf "$tmp"
 fi
+# libfaketime gives the fault tests' gateways their skewed clocks (bench/faults.py); unpacked the same way.
+if [[ "$extras" == *test* || "$extras" == *bench* ]] && [ ! -e .venv/lib/faketime/libfaketimeMT.so.1 ] \
+        && command -v apt-get >/dev/null; then
+    tmp=$(mktemp -d)
+    if (cd "$tmp" && apt-get download libfaketime >/dev/null 2>&1); then
+        dpkg-deb -x "$tmp"/libfaketime_*.deb "$tmp/x" && mkdir -p .venv/lib/faketime \
+            && cp "$tmp"/x/usr/lib/*/faketime/libfaketime*.so.1 .venv/lib/faketime/
+    else
+        echo "libfaketime unavailable: the day-boundary fault scenario will be skipped" >&2
+    fi
+    rm -rf "$tmp"
+fi
 rm -f .venv/.flatfare-install-*
 touch "$stamp"

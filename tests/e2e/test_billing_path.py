@@ -1,24 +1,22 @@
 """Stripe billing end to end: localstripe for customers, subscriptions and signed webhooks; what it
 lacks (Checkout, the portal, meter events) is answered at the HTTP edge by a small recording server
-in front of it, never by faking the SDK."""
+in front of it (bench.stripe_edge), never by faking the SDK."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import json
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 
 import httpx
 import pytest
-from aiohttp import web
 
+from bench.stripe_edge import StripeEdge
 from billing.plans import quota_window
 from flatfare.redis_local import free_port
 from tests.conftest import launch_stack
@@ -28,65 +26,6 @@ pytestmark = pytest.mark.e2e
 SECRET = "whsec_flatfare_test"
 PRICES = {"pro": "price_pro", "premium": "price_premium"}
 MODEL = "instant"
-
-
-class StripeEdge:
-    """Forwards to localstripe, except the endpoints it lacks, which it records and answers."""
-
-    def __init__(self, upstream: str) -> None:
-        self.upstream = upstream
-        self.port = free_port()
-        self.checkouts: list[dict[str, str]] = []
-        self.meter_events: list[dict[str, str]] = []
-        self.fail_meter_events = 0
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def _handle(self, request: web.Request) -> web.Response:
-        form = dict(await request.post()) if request.method == "POST" else {}
-        if request.path == "/v1/checkout/sessions":
-            self.checkouts.append(form)
-            session_id = f"cs_test_{len(self.checkouts)}"
-            return web.json_response({"id": session_id, "object": "checkout.session",
-                                      "url": f"https://checkout.stripe.test/{session_id}"})
-        if request.path == "/v1/billing_portal/sessions":
-            return web.json_response({"id": "bps_1", "object": "billing_portal.session",
-                                      "url": "https://billing.stripe.test/p/session_1"})
-        if request.path == "/v1/billing/meter_events":
-            if self.fail_meter_events > 0:
-                self.fail_meter_events -= 1
-                return web.json_response({"error": {"type": "api_error", "message": "try later"}}, status=500)
-            self.meter_events.append(form)
-            return web.json_response({"object": "billing.meter_event", "event_name": form["event_name"],
-                                      "identifier": form["identifier"], "payload": {}, "timestamp": 0,
-                                      "created": 0, "livemode": False})
-        async with httpx.AsyncClient() as client:
-            upstream = await client.request(request.method, f"{self.upstream}{request.path_qs}",
-                                            content=await request.read(), headers=dict(request.headers))
-        return web.Response(body=upstream.content, status=upstream.status_code,
-                            content_type="application/json")
-
-    def start(self) -> StripeEdge:
-        self._thread.start()
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        runner = web.AppRunner(app)
-
-        async def serve() -> None:
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", self.port).start()
-
-        asyncio.run_coroutine_threadsafe(serve(), self._loop).result(10)
-        self._runner = runner
-        return self
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
 
 
 def _wait_port(port: int) -> None:

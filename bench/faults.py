@@ -1,0 +1,708 @@
+"""Faults under load, as figures: kill, stop and break Flatfare's parts while clients send requests.
+
+Each scenario starts its own platform (``Rig``: Redis, SQLite or a private PostgreSQL, workers,
+gateway processes, Stripe's edge), drives it with real HTTP clients, injects one kind of fault, lets
+the platform settle, then audits every account of the money: requests the clients sent, answered,
+failed cleanly (an OpenAI error body, or an error event closing a stream), cut (the connection of
+a gateway that was killed), **lost** (no answer and no clean error, or a hang), **charged twice**
+(a request billed more than once, at the ledger or at Stripe), and the quota units counted in Redis
+against billable ledger rows, outbox rows and the meter events Stripe kept. The goal in every row:
+0 lost, 0 charged twice, counted = ledger = outbox = Stripe.
+
+``python -m bench faults`` writes bench/results/faults.md and faults.csv; tests/faults runs the same
+scenarios with fewer repetitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import csv
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import httpx
+import orjson
+import redis as redis_py
+from sqlalchemy import create_engine, text
+
+from bench.procs import Service, Services, free_port
+from bench.stripe_edge import StripeEdge
+from flatfare import contract
+from flatfare.redis_local import LocalRedis
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS = REPO_ROOT / "bench" / "results"
+MODEL = "instant"
+CPU_MODEL = "smollm2-135m-instruct"
+ACCOUNT = "faults"
+PRICE_MICROS = 1000
+FAKETIME = REPO_ROOT / ".venv" / "lib" / "faketime" / "libfaketimeMT.so.1"
+
+
+# -- the platform under test ----------------------------------------------------------------------
+
+
+class PrivatePostgres:
+    """A PostgreSQL cluster of its own (initdb in a temporary folder, run as ``postgres``), so it can
+    be stopped and started without touching anyone else's server."""
+
+    def __init__(self) -> None:
+        bins = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"))
+        if not bins or shutil.which("runuser") is None or os.geteuid() != 0:
+            raise Unavailable("a private PostgreSQL needs its binaries (/usr/lib/postgresql) and root")
+        self.bin = bins[-1].parent
+        # Not under the caller's folder: the postgres user must reach it (pytest's are root's only).
+        self.directory = Path(tempfile.mkdtemp(prefix="ff-faults-pg-"))
+        self.port = free_port()
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _as_postgres(self, *argv: str) -> None:
+        subprocess.run(["runuser", "-u", "postgres", "--", *argv], check=True, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, cwd="/")
+
+    def create(self) -> PrivatePostgres:
+        shutil.chown(self.directory, "postgres", "postgres")
+        self._as_postgres(str(self.bin / "initdb"), "-D", str(self.directory / "data"), "-A", "trust", "-U",
+                          "postgres")
+        return self.start()
+
+    def start(self) -> PrivatePostgres:
+        options = f"-p {self.port} -k {self.directory} -c listen_addresses=127.0.0.1 -c fsync=off"
+        self._as_postgres(str(self.bin / "pg_ctl"), "-D", str(self.directory / "data"), "-o", options, "-l",
+                          str(self.directory / "postgres.log"), "-w", "start")
+        return self
+
+    def stop(self) -> None:
+        self._as_postgres(str(self.bin / "pg_ctl"), "-D", str(self.directory / "data"), "-m", "fast", "-w", "stop")
+
+    def remove(self) -> None:
+        with contextlib.suppress(subprocess.CalledProcessError):
+            self.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class Unavailable(Exception):
+    """This machine cannot run the scenario (said in the table, and a skip in the tests)."""
+
+
+@dataclass
+class Shape:
+    """How the instant engine behaves: how long a request holds a worker."""
+
+    tokens: int = 8
+    first_token_delay_s: float = 0.0
+    token_delay_s: float = 0.02
+
+
+@dataclass
+class Rig:
+    """One platform: Redis, a database, ``workers`` workers, ``gateways`` gateway processes (one port
+    each, as behind a load balancer), Stripe's edge, and an account on a priced plan."""
+
+    workdir: Path
+    services: Services
+    # "instant" (no model, the shape below), or "vllm": the real CPU engine with the default model.
+    engine: str = "instant"
+    workers: int = 2
+    gateways: int = 1
+    shape: Shape = field(default_factory=Shape)
+    daily_limit: int | None = None
+    persist_redis: bool = False
+    postgres: bool = False
+    # Per gateway: seconds its clock is ahead of the real one (libfaketime), for the day boundary.
+    clock_offsets_s: list[float] | None = None
+    request_timeout_s: float = 10.0
+    redis: LocalRedis | None = None
+    pg: PrivatePostgres | None = None
+    edge: StripeEdge | None = None
+    database_url: str = ""
+    key: str = ""
+    account_id: int = 0
+    worker_procs: list[Service] = field(default_factory=list)
+    gateway_procs: list[Service | None] = field(default_factory=list)
+    ports: list[int] = field(default_factory=list)
+    dead_ports: set[int] = field(default_factory=set)
+
+    @property
+    def model(self) -> str:
+        return MODEL if self.engine == "instant" else CPU_MODEL
+
+    # ---- start ----
+
+    def env(self, clock_offset_s: float | None = None) -> dict[str, str]:
+        """Every process's environment; with clock offsets, its clock is ``clock_offset_s`` ahead (the
+        first gateway's offset for the workers and the commands)."""
+        assert self.redis is not None and self.edge is not None
+        clock = {}
+        if self.clock_offsets_s is not None:
+            if not FAKETIME.exists():
+                raise Unavailable(f"no libfaketime at {FAKETIME} (scripts/install.sh unpacks it)")
+            offset = self.clock_offsets_s[0] if clock_offset_s is None else clock_offset_s
+            clock = {"LD_PRELOAD": str(FAKETIME), "FAKETIME": f"{offset:+.3f}", "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+                     "FAKETIME_NO_CACHE": "1"}
+        return {**os.environ, **clock,
+                "FLATFARE_DATA_DIR": str(self.workdir), "FLATFARE_DATABASE_URL": self.database_url,
+                "FLATFARE_REDIS_URL": self.redis.url, "FLATFARE_LOG_LEVEL": "warning",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])),
+                # workers: a dead worker's jobs are taken over after 1.5 s
+                "FLATFARE_JOB_LEASE_S": "1.5", "FLATFARE_DRAIN_TIMEOUT_S": "20",
+                "FLATFARE_INSTANT_TOKENS": str(self.shape.tokens),
+                "FLATFARE_INSTANT_FIRST_TOKEN_DELAY_S": str(self.shape.first_token_delay_s),
+                "FLATFARE_INSTANT_TOKEN_DELAY_S": str(self.shape.token_delay_s),
+                # gateways: a silent one is settled after 3 s; Stripe answers within 1 s or is retried
+                "FLATFARE_GATEWAY_DEAD_AFTER_S": "3", "FLATFARE_REQUEST_TIMEOUT_S": str(self.request_timeout_s),
+                "FLATFARE_STRIPE_API_KEY": "sk_test_faults", "FLATFARE_STRIPE_WEBHOOK_SECRET": "whsec_faults",
+                "FLATFARE_STRIPE_API_BASE": self.edge.url, "FLATFARE_STRIPE_TIMEOUT_S": "1",
+                "FLATFARE_BILLING_OUTBOX_INTERVAL_S": "0.2",
+                # the real engine: eager mode starts in ~40 s; prepared models are shared with the tests
+                "FLATFARE_MODELS_DIR": os.environ.get("FLATFARE_TEST_MODELS_DIR",
+                                                      str(Path.home() / ".flatfare" / "models")),
+                "FLATFARE_ENGINE_OPTIONS": '{"enforce_eager": true}', "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_NO_USAGE_STATS": "1"}
+
+    def start(self) -> Rig:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.edge = StripeEdge(seed=7).start()
+        self.redis = LocalRedis(self.workdir / "redis", persist=self.persist_redis).start()
+        if self.postgres:
+            self.pg = PrivatePostgres().create()
+            self.database_url = self.pg.url
+        else:
+            self.database_url = f"sqlite+aiosqlite:///{self.workdir / 'flatfare.db'}"
+        env = self.env()
+        flatfare = [sys.executable, "-m", "flatfare"]
+        subprocess.run([*flatfare, "migrate"], env=env, check=True, cwd=self.workdir, capture_output=True)
+        made = subprocess.run([*flatfare, "keys", "create", "--account", ACCOUNT, "--plan", "pro"], env=env,
+                              check=True, cwd=self.workdir, capture_output=True, text=True)
+        self.key = made.stdout.strip().splitlines()[-1]
+        self.sql("UPDATE plans SET daily_limit = :limit, price_per_request_micros = :price WHERE name = 'pro'",
+                 limit=self.daily_limit, price=PRICE_MICROS)
+        self.sql("UPDATE accounts SET stripe_customer_id = 'cus_faults' WHERE name = :name", name=ACCOUNT)
+        self.account_id = self.sql("SELECT id FROM accounts WHERE name = :name", name=ACCOUNT)[0][0]
+        for index in range(self.workers):
+            self.worker_procs.append(self._worker(index))
+        for worker in self.worker_procs:
+            self.wait_worker(worker)
+        self.ports = [free_port() for _ in range(self.gateways)]
+        self.gateway_procs = [None] * self.gateways
+        for index in range(self.gateways):
+            self.start_gateway(index)
+        return self
+
+    def _worker(self, index: int) -> Service:
+        return self.services.start(Service(
+            f"worker{index}", [sys.executable, "-m", "flatfare", "worker", "--model", self.model, "--engine", self.engine],
+            self.workdir / f"worker{index}.log", env=self.env(), cwd=str(self.workdir)))
+
+    def start_gateway(self, index: int) -> None:
+        self.dead_ports.discard(self.ports[index])
+        self.gateway_procs[index] = self._gateway(index)
+        self.wait_gateway(index)
+
+    def _gateway(self, index: int) -> Service:
+        env = self.env(self.clock_offsets_s[index] if self.clock_offsets_s is not None else None)
+        argv = [sys.executable, "-m", "flatfare", "gateway", "--port", str(self.ports[index]), "--processes", "1"]
+        return self.services.start(Service(f"gateway{index}", argv, self.workdir / f"gateway{index}.log",
+                                           env=env, cwd=str(self.workdir)))
+
+    def wait_worker(self, worker: Service) -> None:
+        assert self.redis is not None
+        client = redis_py.Redis.from_url(self.redis.url)
+        try:
+            # Ready: it heartbeats (a worker's id holds its pid).
+            worker.wait_ready(lambda: any(f"-{worker.pid}-".encode() in member
+                                          for member in client.zrange(contract.pool_key(self.model), 0, -1)), 600)
+        finally:
+            client.close()
+
+    def wait_gateway(self, index: int) -> None:
+        def answers() -> bool:
+            return httpx.get(f"http://127.0.0.1:{self.ports[index]}/healthz", timeout=1).status_code == 200
+
+        service = self.gateway_procs[index]
+        assert service is not None
+        service.wait_ready(answers, 60)
+
+    def restart_worker(self, index: int) -> None:
+        self.worker_procs[index] = self._worker(index)
+        self.wait_worker(self.worker_procs[index])
+
+    def kill_worker(self, index: int, sig: int = signal.SIGKILL) -> None:
+        """Signal the worker; SIGKILL takes its engine's processes with it (its process group)."""
+        pid = self.worker_procs[index].pid
+        if sig == signal.SIGKILL:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+
+    def kill_gateway(self, index: int) -> None:
+        service = self.gateway_procs[index]
+        assert service is not None
+        self.dead_ports.add(self.ports[index])
+        os.killpg(service.pid, signal.SIGKILL)  # the server and its worker process
+        service.process.wait()  # type: ignore[union-attr]
+        self.services.stop(service)
+        self.gateway_procs[index] = None
+
+    def stop(self) -> None:
+        self.services.stop_all()
+        if self.redis is not None:
+            self.redis.stop()
+        if self.pg is not None:
+            self.pg.remove()
+        if self.edge is not None:
+            self.edge.stop()
+
+    # ---- look ----
+
+    def sql(self, query: str, **params: object) -> list[tuple]:
+        url = self.database_url.replace("sqlite+aiosqlite", "sqlite").replace("postgresql://",
+                                                                              "postgresql+psycopg://")
+        engine = create_engine(url)
+        try:
+            with engine.begin() as conn:
+                result = conn.execute(text(query), params)
+                return [tuple(row) for row in result] if result.returns_rows else []
+        finally:
+            engine.dispose()
+
+    def audit(self) -> Audit:
+        assert self.redis is not None and self.edge is not None
+        account = self.account_id
+        days = dict(self.sql("SELECT quota_day, count(*) FROM requests WHERE account_id = :a AND billable "
+                             "GROUP BY quota_day", a=account))
+        rows, open_rows = self.sql("SELECT count(*), coalesce(sum(CASE WHEN status = 'queued' THEN 1 ELSE 0 END), 0) "
+                                   "FROM requests WHERE account_id = :a", a=account)[0]
+        outbox, sent = self.sql("SELECT count(*), coalesce(sum(CASE WHEN status = 'sent' THEN 1 ELSE 0 END), 0) "
+                                "FROM usage_outbox WHERE account_id = :a", a=account)[0]
+        client = redis_py.Redis.from_url(self.redis.url)
+        try:
+            counters = {key.decode().rsplit(":", 1)[1]: int(client.get(key) or 0)
+                        for key in client.scan_iter(match=f"ff:quota:{account}:*")}
+        finally:
+            client.close()
+        charged = Counter(e["identifier"] for e in self.edge.meter_events)
+        return Audit(rows=int(rows), open_rows=int(open_rows), billable_by_day={str(k): int(v) for k, v in days.items()},
+                     counted_by_day={k: v for k, v in counters.items() if v}, outbox=int(outbox), outbox_sent=int(sent),
+                     stripe_events=len(self.edge.meter_events), stripe_calls=sum(self.edge.deliveries.values()),
+                     charged_twice=sum(1 for n in charged.values() if n > 1))
+
+    def settle(self, timeout_s: float = 45.0) -> Audit:
+        """Wait until nothing is open, every unit is accounted for and Stripe has every event."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            audit = self.audit()
+            if audit.settled or time.monotonic() > deadline:
+                return audit
+            time.sleep(0.5)
+
+
+@dataclass
+class Audit:
+    rows: int
+    open_rows: int
+    billable_by_day: dict[str, int]
+    counted_by_day: dict[str, int]
+    outbox: int
+    outbox_sent: int
+    stripe_events: int
+    stripe_calls: int
+    charged_twice: int
+
+    @property
+    def billable(self) -> int:
+        return sum(self.billable_by_day.values())
+
+    @property
+    def counted(self) -> int:
+        return sum(self.counted_by_day.values())
+
+    @property
+    def settled(self) -> bool:
+        return (self.open_rows == 0 and self.counted_by_day == self.billable_by_day
+                and self.billable == self.outbox == self.outbox_sent == self.stripe_events)
+
+
+# -- the clients ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    """What the clients saw."""
+
+    answered: int = 0
+    failed: Counter[str] = field(default_factory=Counter)  # clean errors by code
+    cut: int = 0
+    lost: int = 0
+    lost_examples: list[str] = field(default_factory=list)
+
+    @property
+    def sent(self) -> int:
+        return self.answered + sum(self.failed.values()) + self.cut + self.lost
+
+
+class Clients:
+    """Sends chat completions to the rig's live gateways and classifies every answer."""
+
+    def __init__(self, rig: Rig, stream_share: float = 0.5, timeout_s: float = 30.0) -> None:
+        self.rig = rig
+        self.tally = Tally()
+        self._stream_share = stream_share
+        self._timeout_s = timeout_s
+        self._random = random.Random(1)
+        self._next = 0
+        self._client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=512))
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    def _port(self) -> int:
+        live = [p for p in self.rig.ports if p not in self.rig.dead_ports]
+        self._next += 1
+        return live[self._next % len(live)]
+
+    async def one(self) -> None:
+        port = self._port()
+        stream = self._random.random() < self._stream_share
+        body = {"model": self.rig.model, "messages": [{"role": "user", "content": "hi"}], "stream": stream,
+                "max_tokens": 8}
+        headers = {"Authorization": f"Bearer {self.rig.key}"}
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                async with self._client.stream("POST", url, json=body, headers=headers) as response:
+                    if response.status_code != 200:
+                        self._error(await response.aread(), response.status_code)
+                    elif stream:
+                        await self._read_stream(response, port)
+                    else:
+                        payload = orjson.loads(await response.aread())
+                        self._answered_or_lost("choices" in payload, port, "200 without choices")
+        except (httpx.HTTPError, TimeoutError) as exc:
+            self._answered_or_lost(False, port, f"{exc.__class__.__name__}: {exc}")
+
+    async def _read_stream(self, response: httpx.Response, port: int) -> None:
+        code, done = None, False
+        async for line in response.aiter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: {\"error\""):
+                code = (orjson.loads(line[6:])["error"] or {}).get("code") or "error"
+        if done and code:
+            self.tally.failed[str(code)] += 1
+        else:
+            self._answered_or_lost(done, port, "stream ended without [DONE]")
+
+    def _error(self, raw: bytes, status: int) -> None:
+        try:
+            error = orjson.loads(raw)["error"]
+            self.tally.failed[f"{status} {error.get('code') or error.get('type')}"] += 1
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            self.tally.lost += 1
+            self.tally.lost_examples.append(f"{status} without an error body: {raw[:120]!r}")
+
+    def _answered_or_lost(self, ok: bool, port: int, why: str) -> None:
+        if ok:
+            self.tally.answered += 1
+        elif port in self.rig.dead_ports:
+            self.tally.cut += 1
+        else:
+            self.tally.lost += 1
+            if len(self.tally.lost_examples) < 5:
+                self.tally.lost_examples.append(why)
+
+    async def closed_loop(self, concurrency: int, until: Callable[[], bool]) -> None:
+        async def client() -> None:
+            while not until():
+                await self.one()
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+
+    async def open_loop(self, rate: float, duration_s: float) -> None:
+        """``rate`` requests a second whatever the answers take (a drain must not slow the arrivals)."""
+        tasks = []
+        start = time.monotonic()
+        for i in range(int(rate * duration_s)):
+            await asyncio.sleep(max(start + i / rate - time.monotonic(), 0))
+            tasks.append(asyncio.create_task(self.one()))
+        await asyncio.gather(*tasks)
+
+
+# -- the scenarios --------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    fault: str
+    repetitions: int
+    tally: Tally
+    audit: Audit | None
+    note: str = ""
+
+
+async def _in_thread(fn: Callable[..., object], *args: object) -> None:
+    await asyncio.to_thread(fn, *args)
+
+
+async def worker_kill(rig: Rig, reps: int) -> Clients:
+    """kill -9 of a worker mid-stream, ``reps`` times, two workers: the survivor takes over."""
+    clients = Clients(rig, stream_share=0.8)
+    stop = asyncio.Event()
+    load = asyncio.create_task(clients.closed_loop(8, stop.is_set))
+    try:
+        for k in range(reps):
+            await asyncio.sleep(0.4)  # streams are under way (8 tokens, 20 ms apart)
+            rig.kill_worker(k % rig.workers)
+            await _in_thread(rig.restart_worker, k % rig.workers)
+        await asyncio.sleep(3)  # the last takeovers
+    finally:
+        stop.set()
+        await load
+        await clients.close()
+    return clients
+
+
+async def sigterm_drain(rig: Rig, reps: int) -> Clients:
+    """SIGTERM to a worker under 50 requests a second: it finishes what it holds, takes nothing new."""
+    clients = Clients(rig, stream_share=0.5)
+    for _ in range(reps):
+        load = asyncio.create_task(clients.open_loop(50, 6))
+        await asyncio.sleep(2)
+        rig.kill_worker(0, signal.SIGTERM)
+        await _in_thread(rig.worker_procs[0].process.wait)  # type: ignore[union-attr]
+        await load
+        await _in_thread(rig.restart_worker, 0)
+    await clients.close()
+    return clients
+
+
+async def gateway_kill(rig: Rig, reps: int) -> Clients:
+    """kill -9 of a gateway process (server and app) with requests in flight; the other keeps serving."""
+    clients = Clients(rig, stream_share=0.5)
+    for _ in range(reps):
+        stop = asyncio.Event()
+        load = asyncio.create_task(clients.closed_loop(16, stop.is_set))
+        await asyncio.sleep(2)
+        rig.kill_gateway(0)
+        await asyncio.sleep(2)
+        stop.set()
+        await load
+        await _in_thread(rig.start_gateway, 0)
+    await clients.close()
+    return clients
+
+
+async def redis_restart(rig: Rig, reps: int) -> Clients:
+    """Redis shut down and started again on its append-only file, under load."""
+    assert rig.redis is not None
+    clients = Clients(rig, stream_share=0.5)
+    for _ in range(reps):
+        stop = asyncio.Event()
+        load = asyncio.create_task(clients.closed_loop(8, stop.is_set))
+        await asyncio.sleep(2)
+        await _in_thread(rig.redis.stop)
+        await asyncio.sleep(1)
+        await _in_thread(rig.redis.start)
+        await asyncio.sleep(4)
+        stop.set()
+        await load
+    await clients.close()
+    return clients
+
+
+async def redis_loss(rig: Rig, reps: int) -> Clients:
+    """Redis killed and started empty: its counters are rebuilt from the ledger; the day's limit holds."""
+    assert rig.redis is not None
+    clients = Clients(rig, stream_share=0.5)
+    for _ in range(reps):
+        stop = asyncio.Event()
+        load = asyncio.create_task(clients.closed_loop(8, stop.is_set))
+        await asyncio.sleep(1.5)
+        rig.redis.process.kill()  # type: ignore[union-attr]
+        rig.redis.process.wait()  # type: ignore[union-attr]
+        shutil.rmtree(rig.redis.directory, ignore_errors=True)
+        await _in_thread(rig.redis.start)
+        await asyncio.sleep(6)
+        stop.set()
+        await load
+    await clients.close()
+    return clients
+
+
+async def postgres_stop(rig: Rig, reps: int) -> Clients:
+    """PostgreSQL stopped and started under load: 503s meanwhile, recovery without a restart."""
+    assert rig.pg is not None
+    clients = Clients(rig, stream_share=0.5)
+    for _ in range(reps):
+        stop = asyncio.Event()
+        load = asyncio.create_task(clients.closed_loop(8, stop.is_set))
+        await asyncio.sleep(2)
+        await _in_thread(rig.pg.stop)
+        await asyncio.sleep(3)
+        await _in_thread(rig.pg.start)
+        await asyncio.sleep(4)
+        stop.set()
+        await load
+    await clients.close()
+    return clients
+
+
+async def stripe_failing(rig: Rig, reps: int) -> Clients:
+    """Stripe answering 5xx to 30 % of meter events and losing 10 % of its answers past the timeout."""
+    assert rig.edge is not None
+    rig.edge.failure_rate, rig.edge.lost_answer_rate, rig.edge.hold_s = 0.3, 0.1, 2.0
+    clients = Clients(rig, stream_share=0.5)
+    deadline = time.monotonic() + 2.5 * reps
+    await clients.closed_loop(8, lambda: time.monotonic() > deadline)
+    await clients.close()
+    return clients
+
+
+async def day_boundary(rig: Rig, reps: int) -> Clients:
+    """Midnight crossed under load by two gateways whose clocks disagree by 1.5 s (libfaketime)."""
+    assert rig.clock_offsets_s is not None
+    # Start 4 s before midnight by the first gateway's clock; its fellow is 1.5 s ahead of it.
+    await asyncio.sleep(max(_to_midnight(4.0) - rig.clock_offsets_s[0], 0))
+    clients = Clients(rig, stream_share=0.5)
+    deadline = time.monotonic() + 8
+    await clients.closed_loop(8, lambda: time.monotonic() > deadline)
+    await clients.close()
+    return clients
+
+
+def _to_midnight(lead_s: float) -> float:
+    """The clock offset that puts a gateway ``lead_s`` seconds before the next UTC midnight."""
+    now = datetime.now(UTC)
+    midnight = (now + timedelta(days=1)).replace(hour=0, minute=0, second=0, microsecond=0)
+    return (midnight - now).total_seconds() - lead_s
+
+
+@dataclass
+class Scenario:
+    name: str
+    fault: str
+    run: Callable[[Rig, int], object]
+    rig: dict[str, object]
+    bench_reps: int
+    test_reps: int
+
+
+SCENARIOS = [
+    Scenario("worker_kill", "worker kill -9 mid-stream (2 workers)", worker_kill, {"workers": 2}, 100, 3),
+    Scenario("worker_kill_cpu", "worker kill -9 mid-stream, real CPU engine (2 workers)", worker_kill,
+             {"workers": 2, "engine": "vllm"}, 3, 0),
+    Scenario("sigterm_drain", "worker SIGTERM drain at 50 req/s", sigterm_drain,
+             {"workers": 2, "shape": Shape(tokens=8, first_token_delay_s=0.2, token_delay_s=0.05)}, 3, 1),
+    Scenario("gateway_kill", "gateway kill -9 with requests in flight (2 gateways)", gateway_kill,
+             {"gateways": 2, "shape": Shape(tokens=8, first_token_delay_s=0.05, token_delay_s=0.05)}, 3, 1),
+    Scenario("redis_restart", "Redis restarted (AOF on)", redis_restart, {"persist_redis": True}, 3, 1),
+    Scenario("redis_loss", "Redis lost (data gone), limit 400/day", redis_loss,
+             {"daily_limit": 400, "request_timeout_s": 4.0}, 2, 1),
+    Scenario("postgres_stop", "PostgreSQL stopped 3 s and started", postgres_stop, {"postgres": True}, 2, 1),
+    Scenario("stripe_failing", "Stripe 5xx (30 %) and lost answers (10 %)", stripe_failing, {}, 2, 1),
+    Scenario("day_boundary", "midnight crossed, two gateways 1.5 s apart", day_boundary,
+             {"gateways": 2, "clock_offsets_s": "midnight"}, 1, 1),
+]
+
+
+def run_scenario(scenario: Scenario, workdir: Path, reps: int) -> Row:
+    options = dict(scenario.rig)
+    if options.get("clock_offsets_s") == "midnight":  # midnight in 16 s: time to start, then the load
+        options["clock_offsets_s"] = [_to_midnight(16.0), _to_midnight(16.0) + 1.5]
+    with_services = Services()
+    rig = Rig(workdir, with_services, **options)  # type: ignore[arg-type]
+    try:
+        try:
+            rig.start()
+        except Unavailable as exc:
+            return Row(scenario.fault, 0, Tally(), None, note=f"not run: {exc}")
+        clients = asyncio.run(scenario.run(rig, reps))  # type: ignore[arg-type]
+        audit = rig.settle(90.0)
+        return Row(scenario.fault, reps, clients.tally, audit)  # type: ignore[union-attr]
+    finally:
+        rig.stop()
+
+
+# -- the report -----------------------------------------------------------------------------------
+
+COLUMNS = ["fault", "reps", "sent", "answered", "failed cleanly", "cut", "lost", "charged twice",
+           "units counted", "ledger billable", "outbox", "Stripe events", "Stripe calls", "open rows", "ok"]
+
+
+def _cells(row: Row) -> list[str]:
+    tally, audit = row.tally, row.audit
+    failed = sum(tally.failed.values())
+    codes = ", ".join(f"{code} x{n}" for code, n in tally.failed.most_common())
+    if audit is None:
+        return [row.fault, "0", *(["-"] * (len(COLUMNS) - 3)), row.note]
+    ok = tally.lost == 0 and audit.charged_twice == 0 and audit.settled
+    return [row.fault, str(row.repetitions), str(tally.sent), str(tally.answered),
+            f"{failed}" + (f" ({codes})" if codes else ""), str(tally.cut), str(tally.lost),
+            str(audit.charged_twice), _by_day(audit.counted_by_day), _by_day(audit.billable_by_day),
+            str(audit.outbox), str(audit.stripe_events), str(audit.stripe_calls), str(audit.open_rows),
+            "yes" if ok else "NO"]
+
+
+def _by_day(by_day: dict[str, int]) -> str:
+    if len(by_day) <= 1:
+        return str(sum(by_day.values()))
+    return " + ".join(f"{n} ({day})" for day, n in sorted(by_day.items()))
+
+
+def write(rows: list[Row], out: Path, header: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "faults.csv").open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(COLUMNS)
+        writer.writerows(_cells(row) for row in rows)
+    lines = [header, "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
+    lost = [f"- {row.fault}: {example}" for row in rows for example in row.tally.lost_examples]
+    if lost:
+        lines += ["", "Lost requests (first few):", *lost]
+    (out / "faults.md").write_text("\n".join(lines) + "\n")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--only", nargs="*", choices=[s.name for s in SCENARIOS], help="run these scenarios only")
+    parser.add_argument("--quick", action="store_true", help="the tests' repetitions instead of the bench's")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/flatfare-faults"))
+    parser.add_argument("--out", type=Path, default=RESULTS)
+
+
+def run(args: argparse.Namespace) -> int:
+    rows = []
+    shutil.rmtree(args.workdir, ignore_errors=True)
+    for scenario in SCENARIOS:
+        if args.only and scenario.name not in args.only:
+            continue
+        reps = scenario.test_reps if args.quick else scenario.bench_reps
+        print(f"{scenario.name}: {scenario.fault}, {reps} repetitions", flush=True)
+        started = time.monotonic()
+        row = run_scenario(scenario, args.workdir / scenario.name, reps)
+        print("  " + " | ".join(_cells(row)) + f"  ({time.monotonic() - started:.0f} s)", flush=True)
+        rows.append(row)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, check=False,
+                            text=True).stdout.strip()
+    header = (f"# Faults under load\n\n`python -m bench faults` at {commit}, {datetime.now(UTC):%Y-%m-%d}, "
+              f"{os.cpu_count()} cores, instant engine (see bench/faults.py for each scenario's load and fault). "
+              "lost = no answer and no clean error; cut = the connection of a killed gateway; "
+              "ok = 0 lost, 0 charged twice, counted = ledger = outbox = Stripe, no open row.")
+    write(rows, args.out, header)
+    return 0 if all(r.audit is None or _cells(r)[-1] == "yes" for r in rows) else 1

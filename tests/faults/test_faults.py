@@ -1,0 +1,51 @@
+"""The fault benchmark's scenarios with fewer repetitions: processes killed and services stopped
+under load, each on a platform of its own (real Redis, SQLite or PostgreSQL, workers, gateways and
+Stripe's edge). Whatever the fault: no request lost, none charged twice, and once the platform
+settles, the quota units counted in Redis equal the billable ledger rows, the outbox rows and the
+meter events Stripe kept, with no row left open."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.faults import SCENARIOS, Row, run_scenario
+
+pytestmark = pytest.mark.faults
+
+# Clean errors each fault may cause; anything else is a failure of the test.
+ALLOWED = {
+    "worker_kill": {"worker_lost"},
+    "sigterm_drain": set(),
+    "gateway_kill": set(),
+    "redis_restart": {"503 queue_unavailable", "503 quota_unavailable"},
+    "redis_loss": {"429 rate_limit_exceeded", "404 model_not_found", "503 queue_unavailable",
+                   "503 quota_unavailable", "504 timeout", "timeout"},
+    "postgres_stop": {"503 database_unavailable", "503 ledger_unavailable"},
+    "stripe_failing": set(),
+    "day_boundary": set(),
+}
+
+
+@pytest.mark.parametrize("scenario", [s for s in SCENARIOS if s.test_reps], ids=lambda s: s.name)
+def test_no_request_is_lost_or_charged_twice(scenario, tmp_path: Path) -> None:
+    row: Row = run_scenario(scenario, tmp_path, scenario.test_reps)
+    if row.audit is None:
+        pytest.skip(row.note)
+    tally, audit = row.tally, row.audit
+    assert tally.lost == 0, tally.lost_examples
+    assert audit.charged_twice == 0
+    assert audit.open_rows == 0
+    assert audit.counted_by_day == audit.billable_by_day  # per quota day
+    assert audit.billable == audit.outbox == audit.outbox_sent == audit.stripe_events
+    assert set(tally.failed) <= ALLOWED[scenario.name], tally.failed
+    assert tally.answered > 0
+    if scenario.name == "gateway_kill":  # what the killed gateway had in flight was settled free
+        assert audit.billable == tally.answered
+    if scenario.name == "redis_loss":
+        assert audit.billable <= 400  # the day's limit, across the loss
+    if scenario.name == "stripe_failing":
+        assert audit.stripe_calls > audit.stripe_events  # failures were retried
+    if scenario.name == "day_boundary":
+        assert len(audit.billable_by_day) == 2  # both days saw requests, each counted on its own
