@@ -224,10 +224,14 @@ class Rig:
     def wait_worker(self, worker: Service) -> None:
         assert self.redis is not None
         client = redis_py.Redis.from_url(self.redis.url)
+
+        def warm() -> bool:  # it heartbeats (a worker's id holds its pid) with its engine running
+            return any(f"-{worker.pid}-".encode() in member
+                       and client.hget(contract.worker_key(member.decode()), "state") == b"warm"
+                       for member in client.zrange(contract.pool_key(self.model), 0, -1))
+
         try:
-            # Ready: it heartbeats (a worker's id holds its pid).
-            worker.wait_ready(lambda: any(f"-{worker.pid}-".encode() in member
-                                          for member in client.zrange(contract.pool_key(self.model), 0, -1)), 600)
+            worker.wait_ready(warm, 600)
         finally:
             client.close()
 
@@ -492,75 +496,70 @@ async def sigterm_drain(rig: Rig, reps: int) -> Clients:
     return clients
 
 
-async def gateway_kill(rig: Rig, reps: int) -> Clients:
-    """kill -9 of a gateway process (server and app) with requests in flight; the other keeps serving."""
-    clients = Clients(rig, stream_share=0.5)
+async def _under_load(rig: Rig, reps: int, concurrency: int, settle_s: float, fault: Callable[[], object],
+                      mend: Callable[[], object] = lambda: None, after_s: float = 4.0,
+                      stream_share: float = 0.5) -> Clients:
+    """``reps`` times: clients send for ``settle_s``, then ``fault`` (in a thread), then ``mend``, and
+    they go on for ``after_s`` before the next repetition."""
+    clients = Clients(rig, stream_share=stream_share)
     for _ in range(reps):
         stop = asyncio.Event()
-        load = asyncio.create_task(clients.closed_loop(16, stop.is_set))
-        await asyncio.sleep(2)
-        rig.kill_gateway(0)
-        await asyncio.sleep(2)
+        load = asyncio.create_task(clients.closed_loop(concurrency, stop.is_set))
+        await asyncio.sleep(settle_s)
+        await _in_thread(fault)
+        await _in_thread(mend)
+        await asyncio.sleep(after_s)
         stop.set()
         await load
-        await _in_thread(rig.start_gateway, 0)
     await clients.close()
     return clients
+
+
+async def gateway_kill(rig: Rig, reps: int) -> Clients:
+    """kill -9 of a gateway process (server and app) with requests in flight; the other keeps serving
+    (its clients move to it, as a load balancer's would), and the dead one is started again."""
+    def restart() -> None:
+        time.sleep(2)
+        rig.start_gateway(0)
+
+    return await _under_load(rig, reps, 16, 2, lambda: rig.kill_gateway(0), restart, after_s=0)
 
 
 async def redis_restart(rig: Rig, reps: int) -> Clients:
     """Redis shut down and started again on its append-only file, under load."""
     assert rig.redis is not None
-    clients = Clients(rig, stream_share=0.5)
-    for _ in range(reps):
-        stop = asyncio.Event()
-        load = asyncio.create_task(clients.closed_loop(8, stop.is_set))
-        await asyncio.sleep(2)
-        await _in_thread(rig.redis.stop)
-        await asyncio.sleep(1)
-        await _in_thread(rig.redis.start)
-        await asyncio.sleep(4)
-        stop.set()
-        await load
-    await clients.close()
-    return clients
+    redis = rig.redis
+
+    def restart() -> None:
+        time.sleep(1)
+        redis.start()
+
+    return await _under_load(rig, reps, 8, 2, redis.stop, restart)
 
 
 async def redis_loss(rig: Rig, reps: int) -> Clients:
     """Redis killed and started empty: its counters are rebuilt from the ledger; the day's limit holds."""
     assert rig.redis is not None
-    clients = Clients(rig, stream_share=0.5)
-    for _ in range(reps):
-        stop = asyncio.Event()
-        load = asyncio.create_task(clients.closed_loop(8, stop.is_set))
-        await asyncio.sleep(1.5)
-        rig.redis.process.kill()  # type: ignore[union-attr]
-        rig.redis.process.wait()  # type: ignore[union-attr]
-        shutil.rmtree(rig.redis.directory, ignore_errors=True)
-        await _in_thread(rig.redis.start)
-        await asyncio.sleep(6)
-        stop.set()
-        await load
-    await clients.close()
-    return clients
+    redis = rig.redis
+
+    def lose() -> None:
+        redis.process.kill()  # type: ignore[union-attr]
+        redis.process.wait()  # type: ignore[union-attr]
+        shutil.rmtree(redis.directory, ignore_errors=True)
+
+    return await _under_load(rig, reps, 8, 1.5, lose, redis.start, after_s=6)
 
 
 async def postgres_stop(rig: Rig, reps: int) -> Clients:
     """PostgreSQL stopped and started under load: 503s meanwhile, recovery without a restart."""
     assert rig.pg is not None
-    clients = Clients(rig, stream_share=0.5)
-    for _ in range(reps):
-        stop = asyncio.Event()
-        load = asyncio.create_task(clients.closed_loop(8, stop.is_set))
-        await asyncio.sleep(2)
-        await _in_thread(rig.pg.stop)
-        await asyncio.sleep(3)
-        await _in_thread(rig.pg.start)
-        await asyncio.sleep(4)
-        stop.set()
-        await load
-    await clients.close()
-    return clients
+    pg = rig.pg
+
+    def restart() -> None:
+        time.sleep(3)
+        pg.start()
+
+    return await _under_load(rig, reps, 8, 2, pg.stop, restart)
 
 
 async def stripe_failing(rig: Rig, reps: int) -> Clients:
@@ -651,7 +650,7 @@ def _cells(row: Row) -> list[str]:
     codes = ", ".join(f"{code} x{n}" for code, n in tally.failed.most_common())
     if audit is None:
         return [row.fault, "0", *(["-"] * (len(COLUMNS) - 3)), row.note]
-    ok = tally.lost == 0 and audit.charged_twice == 0 and audit.settled
+    ok = tally.answered > 0 and tally.lost == 0 and audit.charged_twice == 0 and audit.settled
     return [row.fault, str(row.repetitions), str(tally.sent), str(tally.answered),
             f"{failed}" + (f" ({codes})" if codes else ""), str(tally.cut), str(tally.lost),
             str(audit.charged_twice), _by_day(audit.counted_by_day), _by_day(audit.billable_by_day),

@@ -51,6 +51,8 @@ PREFIX_TTL_S = 300
 # watching for its client only after 50 ms without a reply (gateway.completions.WATCH_AFTER_S). Such
 # jobs skip the cancellation check, a round trip on the path of every fast request.
 FRESH_JOB_MS = 20
+# How long the drain waits for the jobs it cancelled to end before it hands them back regardless.
+CANCEL_WAIT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +151,9 @@ class WorkerLoop:
                 stream, entry_id = self.entries[request_id]
                 held.setdefault(stream, []).append(entry_id)
                 task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        _, stuck = await asyncio.wait(pending, timeout=CANCEL_WAIT_S)
+        if stuck:  # handed back all the same: the worker must exit
+            log.error("%d jobs did not end within %.0f s of their cancellation", len(stuck), CANCEL_WAIT_S)
         await self.claimer.hand_back(held, self.lease_ms)
         log.info("handed back %d jobs", sum(len(ids) for ids in held.values()))
 
@@ -221,11 +225,14 @@ class WorkerLoop:
                     await self.claimer.renew(held)
 
     async def _take_over(self) -> None:
-        """Run the jobs of workers that died (their lease ran out) while this one has room."""
+        """Run the jobs of workers that died (their lease ran out). A busy worker takes a few of them
+        beyond its capacity (the engine queues them): its slots refill with new jobs as they free up,
+        so waiting for a free slot would leave the stranded jobs, older than any, waiting for the
+        backlog to drain."""
         while True:
             await asyncio.sleep(self.lease_ms / 2000)
-            free = self.info.capacity - len(self.inflight)
-            if free <= 0 or self._stopping.is_set():
+            free = max(self.info.capacity - len(self.inflight), max(self.info.capacity // 8, 1))
+            if self._stopping.is_set():
                 continue
             try:
                 live = await self.presence.live_workers()

@@ -73,9 +73,18 @@ def prepare_smollm2(target: Path, progress: Progress = lambda _: None) -> Path:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         (staging / _DONE_MARKER).write_text("ok\n")
+        # Replicas sharing the folder (compose --scale) may prepare it at once: the first to finish
+        # wins, and a ready folder is never replaced under a worker that may be loading it.
+        if (target / _DONE_MARKER).exists():
+            progress(f"model ready in {target} (prepared by another worker)")
+            return target
         if target.exists():
             shutil.rmtree(target)
-        staging.rename(target)
+        try:
+            staging.rename(target)
+        except OSError:  # another worker's rename came between the check and ours
+            if not (target / _DONE_MARKER).exists():
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     progress(f"model ready in {target}")
