@@ -206,9 +206,12 @@ class Rig:
         return self
 
     def _worker(self, index: int) -> Service:
+        env = self.env()
+        if self.engine == "vllm":  # a core each: two engines on the same cores starve the one starting
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(index % (os.cpu_count() or 1))
         return self.services.start(Service(
             f"worker{index}", [sys.executable, "-m", "flatfare", "worker", "--model", self.model, "--engine", self.engine],
-            self.workdir / f"worker{index}.log", env=self.env(), cwd=str(self.workdir)))
+            self.workdir / f"worker{index}.log", env=env, cwd=str(self.workdir)))
 
     def start_gateway(self, index: int) -> None:
         self.dead_ports.discard(self.ports[index])
@@ -631,7 +634,10 @@ def run_scenario(scenario: Scenario, workdir: Path, reps: int) -> Row:
             rig.start()
         except Unavailable as exc:
             return Row(scenario.fault, 0, Tally(), None, note=f"not run: {exc}")
-        clients = asyncio.run(scenario.run(rig, reps))  # type: ignore[arg-type]
+        try:
+            clients = asyncio.run(scenario.run(rig, reps))  # type: ignore[arg-type]
+        except RuntimeError as exc:  # a part that did not start again: the row says so
+            return Row(scenario.fault, reps, Tally(), rig.audit(), note=f"failed: {str(exc)[:300]}")
         audit = rig.settle(90.0)
         return Row(scenario.fault, reps, clients.tally, audit)  # type: ignore[union-attr]
     finally:
@@ -672,6 +678,9 @@ def write(rows: list[Row], out: Path, header: str) -> None:
         writer.writerows(_cells(row) for row in rows)
     lines = [header, "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
+    notes = [f"- {row.fault}: {row.note}" for row in rows if row.note and row.audit is not None]
+    if notes:
+        lines += ["", *notes]
     lost = [f"- {row.fault}: {example}" for row in rows for example in row.tally.lost_examples]
     if lost:
         lines += ["", "Lost requests (first few):", *lost]
