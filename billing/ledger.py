@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -91,6 +92,9 @@ class Ledger:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger") if self._sqlite else None
         self._pending: list[_Write] = []
         self._writer: asyncio.Task[None] | None = None
+        # Until when (monotonic) the database counts as unreachable after a failed write: requests
+        # are refused before they are queued meanwhile, rather than queued and withdrawn.
+        self.unreachable_until = 0.0
 
     async def open(self, *, request_id: str, account_id: int, api_key_id: int, model: str, endpoint: str,
                    stream: bool, created_at: datetime, charge: Charge | None = None,
@@ -156,6 +160,7 @@ class Ledger:
                 await self._commit(batch)
             except (SQLAlchemyError, OSError) as exc:
                 if _unreachable(exc):
+                    self.unreachable_until = time.monotonic() + RETRY_S
                     # Opens fail now (their requests are refused); closes wait for the database.
                     closes = [write for write in batch if write.opening is None]
                     _settle([write for write in batch if write.opening is not None], exc)

@@ -210,6 +210,8 @@ class CompletionService:
             if existing is not None:
                 await self._ledger.release_idempotency_key(existing.id)
 
+        if self._ledger.unreachable_until and time.monotonic() < self._ledger.unreachable_until:
+            raise _ledger_unavailable()  # its row could not be written: refused before it is counted
         window = quota_window(terms.plan.timezone, now)
         admission = Admission(new_request_id(), int(now.timestamp() * 1000), caller.account_id, window.day,
                               model=pool.model, lane=terms.plan.lane.value, keep_reply=idempotency_key is not None)
