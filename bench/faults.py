@@ -200,6 +200,7 @@ class Rig:
         for worker in self.worker_procs:
             self.wait_worker(worker)
         self.ports = [free_port() for _ in range(self.gateways)]
+        self.dead_ports = set(self.ports)  # none answers yet
         self.gateway_procs = [None] * self.gateways
         for index in range(self.gateways):
             self.start_gateway(index)
@@ -214,9 +215,10 @@ class Rig:
             self.workdir / f"worker{index}.log", env=env, cwd=str(self.workdir)))
 
     def start_gateway(self, index: int) -> None:
-        self.dead_ports.discard(self.ports[index])
+        """Start gateway ``index``; clients send to it once it answers (as a load balancer would)."""
         self.gateway_procs[index] = self._gateway(index)
         self.wait_gateway(index)
+        self.dead_ports.discard(self.ports[index])
 
     def _gateway(self, index: int) -> Service:
         env = self.env(self.clock_offsets_s[index] if self.clock_offsets_s is not None else None)

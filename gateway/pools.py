@@ -19,6 +19,8 @@ from gateway.errors import APIError
 
 # Pools whose live workers are remembered at once (clients name models, so this is bounded).
 MAX_POOLS = 1024
+# A pool served within this long answers 503 (no live worker) rather than 404 while it has none.
+SERVED_MEMORY_S = 60.0
 
 
 class ModelState(StrEnum):
@@ -62,6 +64,9 @@ class Pools:
         # Read at most once per ``ttl_s`` (per pool), by one of the requests in flight then.
         self.catalog = alru_cache(maxsize=1, ttl=ttl_s)(self._read_catalog)
         self.live_workers = alru_cache(maxsize=MAX_POOLS, ttl=ttl_s)(self._read_live_workers)
+        # Pools this process saw served (monotonic seconds): one whose workers vanish at once (Redis
+        # lost its data, and they have not announced themselves again yet) is unavailable, not unknown.
+        self._served: dict[str, float] = {}
 
     async def _read_catalog(self) -> dict[str, CatalogEntry]:
         async with self._sessions() as session:
@@ -82,6 +87,10 @@ class Pools:
                 for fields in await pipe.execute():
                     if fields:
                         workers.append(WorkerInfo.from_fields(fields))
+        if workers:
+            if len(self._served) >= MAX_POOLS:
+                self._served.clear()
+            self._served[model] = time.monotonic()
         return tuple(workers)
 
     async def warm_workers(self, pool: str) -> tuple[WorkerInfo, ...]:
@@ -123,7 +132,8 @@ class Pools:
         if workers:
             return Pool(model, workers, model)
         starting = any(w.state is WorkerState.STARTING for w in await self.live_workers(model))
-        if entry is None and not starting:
+        served_lately = time.monotonic() - self._served.get(model, -SERVED_MEMORY_S) < SERVED_MEMORY_S
+        if entry is None and not starting and not served_lately:
             raise APIError(404, f"The model '{model}' does not exist or you do not have access to it.",
                            param="model", code="model_not_found")
         why = "is starting" if starting else "has no live worker"

@@ -20,7 +20,7 @@ ALLOWED = {
     "sigterm_drain": set(),
     "gateway_kill": set(),
     "redis_restart": {"503 queue_unavailable", "503 quota_unavailable"},
-    "redis_loss": {"429 rate_limit_exceeded", "404 model_not_found", "503 queue_unavailable",
+    "redis_loss": {"429 rate_limit_exceeded", "404 model_not_found", "503 model_unavailable", "503 queue_unavailable",
                    "503 quota_unavailable", "504 timeout", "timeout"},
     "postgres_stop": {"503 database_unavailable", "503 ledger_unavailable"},
     "stripe_failing": set(),
