@@ -169,7 +169,7 @@ class Rig:
                 "FLATFARE_GATEWAY_DEAD_AFTER_S": "3", "FLATFARE_REQUEST_TIMEOUT_S": str(self.request_timeout_s),
                 "FLATFARE_STRIPE_API_KEY": "sk_test_faults", "FLATFARE_STRIPE_WEBHOOK_SECRET": "whsec_faults",
                 "FLATFARE_STRIPE_API_BASE": self.edge.url, "FLATFARE_STRIPE_TIMEOUT_S": "1",
-                "FLATFARE_BILLING_OUTBOX_INTERVAL_S": "0.2",
+                "FLATFARE_BILLING_OUTBOX_INTERVAL_S": "0.2", "FLATFARE_BILLING_OUTBOX_MAX_BACKOFF_S": "4",
                 # the real engine: eager mode starts in ~40 s; prepared models are shared with the tests
                 "FLATFARE_MODELS_DIR": os.environ.get("FLATFARE_TEST_MODELS_DIR",
                                                       str(Path.home() / ".flatfare" / "models")),
@@ -649,21 +649,26 @@ def run_scenario(scenario: Scenario, workdir: Path, reps: int) -> Row:
 # -- the report -----------------------------------------------------------------------------------
 
 COLUMNS = ["fault", "reps", "sent", "answered", "failed cleanly", "cut", "lost", "charged twice",
-           "units counted", "ledger billable", "outbox", "Stripe events", "Stripe calls", "open rows", "ok"]
+           "units counted", "ledger billable", "outbox", "Stripe events", "Stripe calls", "open rows", "ok", "commit"]
 
 
-def _cells(row: Row) -> list[str]:
+def _cells(row: Row, commit: str) -> list[str]:
     tally, audit = row.tally, row.audit
     failed = sum(tally.failed.values())
     codes = ", ".join(f"{code} x{n}" for code, n in tally.failed.most_common())
     if audit is None:
-        return [row.fault, "0", *(["-"] * (len(COLUMNS) - 3)), row.note]
-    ok = tally.answered > 0 and tally.lost == 0 and audit.charged_twice == 0 and audit.settled
+        return [row.fault, "0", *(["-"] * (len(COLUMNS) - 4)), row.note, commit]
     return [row.fault, str(row.repetitions), str(tally.sent), str(tally.answered),
             f"{failed}" + (f" ({codes})" if codes else ""), str(tally.cut), str(tally.lost),
             str(audit.charged_twice), _by_day(audit.counted_by_day), _by_day(audit.billable_by_day),
             str(audit.outbox), str(audit.stripe_events), str(audit.stripe_calls), str(audit.open_rows),
-            "yes" if ok else "NO"]
+            "yes" if _ok(row) else "NO", commit]
+
+
+def _ok(row: Row) -> bool:
+    tally, audit = row.tally, row.audit
+    return (audit is not None and tally.answered > 0 and tally.lost == 0 and audit.charged_twice == 0
+            and audit.settled)
 
 
 def _by_day(by_day: dict[str, int]) -> str:
@@ -672,14 +677,23 @@ def _by_day(by_day: dict[str, int]) -> str:
     return " + ".join(f"{n} ({day})" for day, n in sorted(by_day.items()))
 
 
-def write(rows: list[Row], out: Path, header: str) -> None:
+def write(rows: list[Row], out: Path, commit: str, *, merge: bool) -> None:
+    """faults.csv and faults.md; with ``merge``, the rows of scenarios not run now stay as they were
+    (each row names the commit it ran at)."""
     out.mkdir(parents=True, exist_ok=True)
+    cells = {row.fault: _cells(row, commit) for row in rows}
+    if merge and (out / "faults.csv").exists():
+        with (out / "faults.csv").open(newline="") as handle:
+            kept = {line[0]: line for line in list(csv.reader(handle))[1:] if len(line) == len(COLUMNS)}
+        cells = {**kept, **cells}
+    ordered = [cells[s.fault] for s in SCENARIOS if s.fault in cells]
     with (out / "faults.csv").open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(COLUMNS)
-        writer.writerows(_cells(row) for row in rows)
-    lines = [header, "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cells(row)) + " |" for row in rows]
+        writer.writerows(ordered)
+    lines = [HEADER.format(date=f"{datetime.now(UTC):%Y-%m-%d}", cores=os.cpu_count()), "",
+             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(line) + " |" for line in ordered]
     notes = [f"- {row.fault}: {row.note}" for row in rows if row.note and row.audit is not None]
     if notes:
         lines += ["", *notes]
@@ -689,14 +703,23 @@ def write(rows: list[Row], out: Path, header: str) -> None:
     (out / "faults.md").write_text("\n".join(lines) + "\n")
 
 
+HEADER = ("# Faults under load\n\n`python -m bench faults`, {date}, {cores} cores (see bench/faults.py for each "
+          "scenario's load and fault; the commit column says which code each row ran). lost = no answer and no "
+          "clean error; cut = the connection of a killed gateway; ok = some answered, 0 lost, 0 charged twice, "
+          "counted = ledger = outbox = Stripe, no open row.")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--only", nargs="*", choices=[s.name for s in SCENARIOS], help="run these scenarios only")
+    parser.add_argument("--only", nargs="*", choices=[s.name for s in SCENARIOS],
+                        help="run these scenarios only (the other rows of the table stay)")
     parser.add_argument("--quick", action="store_true", help="the tests' repetitions instead of the bench's")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/flatfare-faults"))
     parser.add_argument("--out", type=Path, default=RESULTS)
 
 
 def run(args: argparse.Namespace) -> int:
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO_ROOT, capture_output=True,
+                            check=False, text=True).stdout.strip()
     rows = []
     shutil.rmtree(args.workdir, ignore_errors=True)
     for scenario in SCENARIOS:
@@ -706,13 +729,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{scenario.name}: {scenario.fault}, {reps} repetitions", flush=True)
         started = time.monotonic()
         row = run_scenario(scenario, args.workdir / scenario.name, reps)
-        print("  " + " | ".join(_cells(row)) + f"  ({time.monotonic() - started:.0f} s)", flush=True)
+        print("  " + " | ".join(_cells(row, commit)) + f"  ({time.monotonic() - started:.0f} s)", flush=True)
         rows.append(row)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, check=False,
-                            text=True).stdout.strip()
-    header = (f"# Faults under load\n\n`python -m bench faults` at {commit}, {datetime.now(UTC):%Y-%m-%d}, "
-              f"{os.cpu_count()} cores, instant engine (see bench/faults.py for each scenario's load and fault). "
-              "lost = no answer and no clean error; cut = the connection of a killed gateway; "
-              "ok = 0 lost, 0 charged twice, counted = ledger = outbox = Stripe, no open row.")
-    write(rows, args.out, header)
-    return 0 if all(r.audit is None or _cells(r)[-1] == "yes" for r in rows) else 1
+    write(rows, args.out, commit, merge=bool(args.only))
+    return 0 if all(r.audit is None or _ok(r) for r in rows) else 1

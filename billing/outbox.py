@@ -30,14 +30,16 @@ BATCH = 100
 MAX_BACKOFF_S = 3600
 
 
-def backoff(attempts: int) -> timedelta:
-    return timedelta(seconds=min(2 ** max(attempts - 1, 0), MAX_BACKOFF_S))
+def backoff(attempts: int, most_s: float = MAX_BACKOFF_S) -> timedelta:
+    return timedelta(seconds=min(2 ** max(attempts - 1, 0), most_s))
 
 
 class OutboxSender:
-    def __init__(self, sessions: async_sessionmaker[AsyncSession], stripe: StripeGateway) -> None:
+    def __init__(self, sessions: async_sessionmaker[AsyncSession], stripe: StripeGateway,
+                 max_backoff_s: float = MAX_BACKOFF_S) -> None:
         self._sessions = sessions
         self._stripe = stripe
+        self._max_backoff_s = max_backoff_s
 
     async def send_due(self, now: datetime | None = None) -> int:
         """Send every row that is due; returns how many were sent."""
@@ -66,7 +68,7 @@ class OutboxSender:
             except BillingError as exc:
                 attempts = row.attempts + 1
                 log.warning("meter event for %s failed (attempt %d): %s", row.request_id, attempts, exc)
-                values = {"attempts": attempts, "next_attempt_at": now + backoff(attempts),
+                values = {"attempts": attempts, "next_attempt_at": now + backoff(attempts, self._max_backoff_s),
                           "last_error": str(exc)[:500]}
         async with self._sessions() as session:
             await session.execute(update(UsageOutbox).where(

@@ -78,7 +78,7 @@ def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
         background: list[asyncio.Task[None]] = []
         if settings.stripe_enabled:
             state.stripe = StripeGateway(settings.stripe_config())
-            sender = OutboxSender(sessions, state.stripe)
+            sender = OutboxSender(sessions, state.stripe, settings.billing_outbox_max_backoff_s)
             background.append(asyncio.create_task(sender.run(redis, stop, settings.billing_outbox_interval_s)))
         try:
             yield

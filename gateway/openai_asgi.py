@@ -24,6 +24,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 
+from billing.quota import QuotaUnavailable
 from flatfare.contract import Endpoint
 from gateway.auth import Caller
 from gateway.completions import CLIENT_CLOSED, Answer, Call
@@ -150,7 +151,12 @@ async def _error(exc: APIError, state: object, caller: Caller | None, call: Call
     headers = dict(exc.headers)
     limits = call.ratelimit
     if limits is None and caller is not None and exc.status != CLIENT_CLOSED:
-        limits = await current_headers(state, caller)
+        try:
+            limits = await current_headers(state, caller)
+        except (RedisError, OSError, RuntimeError, QuotaUnavailable):
+            # Headers of an error answer: with Redis away (uvloop says so with a RuntimeError while a
+            # connection is torn down), the error goes out without them rather than as a 500.
+            limits = None
     for name, value in (limits or {}).items():
         headers.setdefault(name, value)
     body = orjson.dumps(error_body(exc.status, exc.message, param=exc.param, code=exc.code))

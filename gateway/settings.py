@@ -55,6 +55,8 @@ class GatewaySettings(CommonSettings):
     public_url: str = "http://127.0.0.1:8000"
     # Seconds between passes of the meter-event outbox (run by one gateway process at a time).
     billing_outbox_interval_s: float = 1.0
+    # Longest wait between two tries of a meter event Stripe refused (the wait doubles from 1 s).
+    billing_outbox_max_backoff_s: float = 3600.0
 
     @property
     def stripe_enabled(self) -> bool:
