@@ -470,7 +470,9 @@ async def _in_thread(fn: Callable[..., object], *args: object) -> None:
 
 
 async def worker_kill(rig: Rig, reps: int) -> Clients:
-    """kill -9 of a worker mid-stream, ``reps`` times, two workers: the survivor takes over."""
+    """Two workers, 8 clients (80 % streaming, 8 tokens 20 ms apart on the instant engine): every
+    0.4 s one worker is killed with its engine (SIGKILL to its process group) and started again.
+    Jobs not yet begun are taken over after their 1.5 s lease; begun streams end with worker_lost."""
     clients = Clients(rig, stream_share=0.8)
     stop = asyncio.Event()
     load = asyncio.create_task(clients.closed_loop(8, stop.is_set))
@@ -488,7 +490,8 @@ async def worker_kill(rig: Rig, reps: int) -> Clients:
 
 
 async def sigterm_drain(rig: Rig, reps: int) -> Clients:
-    """SIGTERM to a worker under 50 requests a second: it finishes what it holds, takes nothing new."""
+    """Two workers, 50 requests a second open-loop (each holds a worker 0.6 s), 6 s a repetition:
+    2 s in, one worker gets SIGTERM; it finishes what it holds and takes nothing new."""
     clients = Clients(rig, stream_share=0.5)
     for _ in range(reps):
         load = asyncio.create_task(clients.open_loop(50, 6))
@@ -521,8 +524,9 @@ async def _under_load(rig: Rig, reps: int, concurrency: int, settle_s: float, fa
 
 
 async def gateway_kill(rig: Rig, reps: int) -> Clients:
-    """kill -9 of a gateway process (server and app) with requests in flight; the other keeps serving
-    (its clients move to it, as a load balancer's would), and the dead one is started again."""
+    """Two gateway processes, 16 clients spread over them (each request holds a worker ~0.45 s): 2 s
+    in, one gateway gets SIGKILL with requests in flight; its clients move to the other, as a load
+    balancer's would; 2 s later it is started again. The reaper settles what it held (dead after 3 s)."""
     def restart() -> None:
         time.sleep(2)
         rig.start_gateway(0)
@@ -531,7 +535,8 @@ async def gateway_kill(rig: Rig, reps: int) -> Clients:
 
 
 async def redis_restart(rig: Rig, reps: int) -> Clients:
-    """Redis shut down and started again on its append-only file, under load."""
+    """8 clients; 2 s in, Redis is shut down (SIGTERM: the append-only file is synced), started
+    again on it 1 s later, and the clients go on 4 s."""
     assert rig.redis is not None
     redis = rig.redis
 
@@ -543,7 +548,8 @@ async def redis_restart(rig: Rig, reps: int) -> Clients:
 
 
 async def redis_loss(rig: Rig, reps: int) -> Clients:
-    """Redis killed and started empty: its counters are rebuilt from the ledger; the day's limit holds."""
+    """A plan limit of 400 a day, 8 clients; 1.5 s in, Redis is killed (SIGKILL), its files deleted,
+    and started empty: the counters are rebuilt from the ledger, and the day's limit must hold."""
     assert rig.redis is not None
     redis = rig.redis
 
@@ -556,7 +562,8 @@ async def redis_loss(rig: Rig, reps: int) -> Clients:
 
 
 async def postgres_stop(rig: Rig, reps: int) -> Clients:
-    """PostgreSQL stopped and started under load: 503s meanwhile, recovery without a restart."""
+    """A private PostgreSQL cluster, 8 clients; 2 s in, it is stopped (pg_ctl -m fast) and started 3 s
+    later; the gateway must answer 503 meanwhile and recover without a restart."""
     assert rig.pg is not None
     pg = rig.pg
 
@@ -568,7 +575,8 @@ async def postgres_stop(rig: Rig, reps: int) -> Clients:
 
 
 async def stripe_failing(rig: Rig, reps: int) -> Clients:
-    """Stripe answering 5xx to 30 % of meter events and losing 10 % of its answers past the timeout."""
+    """8 clients for 2.5 s a repetition while Stripe's edge answers 30 % of meter events with 500/503
+    and holds 10 % of its answers 2 s past the sender's 1 s timeout (after recording the event)."""
     assert rig.edge is not None
     rig.edge.failure_rate, rig.edge.lost_answer_rate, rig.edge.hold_s = 0.3, 0.1, 2.0
     clients = Clients(rig, stream_share=0.5)
@@ -579,7 +587,8 @@ async def stripe_failing(rig: Rig, reps: int) -> Clients:
 
 
 async def day_boundary(rig: Rig, reps: int) -> Clients:
-    """Midnight crossed under load by two gateways whose clocks disagree by 1.5 s (libfaketime)."""
+    """Two gateways (and the workers) with clocks moved to just before midnight by libfaketime, the
+    second 1.5 s ahead of the first; 8 clients for 8 s from 4 s before midnight by the first."""
     assert rig.clock_offsets_s is not None
     # Start 4 s before midnight by the first gateway's clock; its fellow is 1.5 s ahead of it.
     await asyncio.sleep(max(_to_midnight(4.0) - rig.clock_offsets_s[0], 0))
@@ -694,6 +703,8 @@ def write(rows: list[Row], out: Path, commit: str, *, merge: bool) -> None:
     lines = [HEADER.format(date=f"{datetime.now(UTC):%Y-%m-%d}", cores=os.cpu_count()), "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(line) + " |" for line in ordered]
+    lines += ["", "What each row does (bench/faults.py):"]
+    lines += [f"- {s.fault}: {' '.join((s.run.__doc__ or '').split())}" for s in SCENARIOS if s.fault in cells]
     notes = [f"- {row.fault}: {row.note}" for row in rows if row.note and row.audit is not None]
     if notes:
         lines += ["", *notes]
