@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
-import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.hosts import SUBNET, Host, Network
+from bench.postgres import PrivatePostgres
 from bench.procs import Service, Services
 from flatfare import contract
 from flatfare.redis_local import redis_server_binary
@@ -54,91 +52,6 @@ class InstantWorker:
         return {"FLATFARE_INSTANT_TOKENS": str(self.tokens), "FLATFARE_INSTANT_FIRST_TOKEN_DELAY_S": str(self.delay_s)}
 
 
-def postgres_bin() -> Path | None:
-    """The folder of PostgreSQL's server binaries (initdb, postgres), newest version first."""
-    found = shutil.which("initdb")
-    if found:  # often a link in /usr/local/bin: the other binaries sit beside its target
-        return Path(found).resolve().parent
-    versions = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"),
-                      key=lambda p: int(p.parent.parent.name) if p.parent.parent.name.isdigit() else 0)
-    return versions[-1].parent if versions else None
-
-
-def postgres_unavailable() -> str | None:
-    """Why a private PostgreSQL cluster cannot be started here, or None."""
-    if postgres_bin() is None:
-        return "PostgreSQL's server binaries (initdb, postgres) are not installed"
-    try:
-        pwd.getpwnam("postgres")
-    except KeyError:
-        return "no `postgres` user to run a private PostgreSQL cluster as (it refuses to run as root)"
-    return None
-
-
-class PrivatePostgres:
-    """A throwaway PostgreSQL cluster on ``host``: initdb in a temporary folder, run as user
-    ``postgres``, listening on the host's address only, database ``flatfare``. Durability is off
-    (fsync, synchronous_commit): the cluster is deleted afterwards."""
-
-    def __init__(self, host: Host, services: Services, log_dir: Path) -> None:
-        self.host = host
-        self.services = services
-        self.log_dir = log_dir
-        self.folder: Path | None = None
-        self.service: Service | None = None
-
-    @property
-    def url(self) -> str:
-        return f"postgresql://postgres@{self.host.address}:{POSTGRES_PORT}/flatfare"
-
-    def _as_postgres(self, *argv: str) -> list[str]:
-        return self.host.argv(["setpriv", "--reuid=postgres", "--regid=postgres", "--init-groups", *argv])
-
-    def _run(self, *argv: str) -> None:
-        done = subprocess.run(self._as_postgres(*argv), capture_output=True, text=True, timeout=120, check=False,
-                              cwd="/")
-        if done.returncode != 0:
-            raise ClusterError(f"`{' '.join(argv)}` failed on {self.host.name}: {done.stderr.strip()[-1500:]}")
-
-    def start(self) -> PrivatePostgres:
-        reason = postgres_unavailable()
-        if reason:
-            raise ClusterError(reason)
-        binaries = postgres_bin()
-        assert binaries is not None
-        user = pwd.getpwnam("postgres")
-        self.folder = Path(tempfile.mkdtemp(prefix="ff-postgres-"))
-        os.chown(self.folder, user.pw_uid, user.pw_gid)
-        data = self.folder / "data"
-        self._run(str(binaries / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", "--no-sync",
-                  "-E", "UTF8", "--locale=C")
-        with (data / "pg_hba.conf").open("a") as hba:
-            hba.write(f"host all all {SUBNET} trust\n")
-        options = {"listen_addresses": self.host.address, "port": POSTGRES_PORT,
-                   "unix_socket_directories": str(self.folder), "fsync": "off", "synchronous_commit": "off",
-                   "full_page_writes": "off", "max_connections": 300}
-        argv = [str(binaries / "postgres"), "-D", str(data)]
-        for name, value in options.items():
-            argv += ["-c", f"{name}={value}"]
-        self.service = self.services.start(Service("postgres", self._as_postgres(*argv), self.log_dir / "postgres.log",
-                                                   cwd="/"))
-        self.service.wait_ready(lambda: self._accepts(binaries), 60)
-        self._run(str(binaries / "createdb"), "-h", self.host.address, "-p", str(POSTGRES_PORT), "flatfare")
-        return self
-
-    def _accepts(self, binaries: Path) -> bool:
-        isready = [str(binaries / "pg_isready"), "-q", "-h", self.host.address, "-p", str(POSTGRES_PORT)]
-        return subprocess.run(self._as_postgres(*isready), check=False, timeout=30).returncode == 0
-
-    def stop(self) -> None:
-        if self.service is not None:
-            self.services.stop(self.service)
-            self.service = None
-        if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
-            self.folder = None
-
-
 class Cluster:
     """Storage, gateway and client hosts on ``network``; worker hosts are added with
     :meth:`add_worker_host`, their workers started and stopped with :meth:`start_worker` /
@@ -155,7 +68,8 @@ class Cluster:
         self.storage = network.add_host("storage")
         self.gateway_host = network.add_host("gateway")
         self.client = network.add_host("client")
-        self.postgres = PrivatePostgres(self.storage, services, workdir / "storage")
+        self.postgres = PrivatePostgres(services, workdir / "storage", address=self.storage.address,
+                                        port=POSTGRES_PORT, trust=SUBNET, wrap=self.storage.argv)
         self.redis: Service | None = None
         self.gateway: Service | None = None
         self.workers: dict[str, Service] = {}

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import csv
 import os
 import random
@@ -25,7 +24,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -38,6 +36,7 @@ import orjson
 import redis as redis_py
 from sqlalchemy import create_engine, text
 
+from bench.postgres import PrivatePostgres, postgres_unavailable
 from bench.procs import Service, Services, free_port
 from bench.stripe_edge import StripeEdge
 from flatfare import contract
@@ -53,48 +52,6 @@ FAKETIME = REPO_ROOT / ".venv" / "lib" / "faketime" / "libfaketimeMT.so.1"
 
 
 # -- the platform under test ----------------------------------------------------------------------
-
-
-class PrivatePostgres:
-    """A PostgreSQL cluster of its own (initdb in a temporary folder, run as ``postgres``), so it can
-    be stopped and started without touching anyone else's server."""
-
-    def __init__(self) -> None:
-        bins = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"))
-        if not bins or shutil.which("runuser") is None or os.geteuid() != 0:
-            raise Unavailable("a private PostgreSQL needs its binaries (/usr/lib/postgresql) and root")
-        self.bin = bins[-1].parent
-        # Not under the caller's folder: the postgres user must reach it (pytest's are root's only).
-        self.directory = Path(tempfile.mkdtemp(prefix="ff-faults-pg-"))
-        self.port = free_port()
-
-    @property
-    def url(self) -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
-
-    def _as_postgres(self, *argv: str) -> None:
-        subprocess.run(["runuser", "-u", "postgres", "--", *argv], check=True, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, cwd="/")
-
-    def create(self) -> PrivatePostgres:
-        shutil.chown(self.directory, "postgres", "postgres")
-        self._as_postgres(str(self.bin / "initdb"), "-D", str(self.directory / "data"), "-A", "trust", "-U",
-                          "postgres")
-        return self.start()
-
-    def start(self) -> PrivatePostgres:
-        options = f"-p {self.port} -k {self.directory} -c listen_addresses=127.0.0.1 -c fsync=off"
-        self._as_postgres(str(self.bin / "pg_ctl"), "-D", str(self.directory / "data"), "-o", options, "-l",
-                          str(self.directory / "postgres.log"), "-w", "start")
-        return self
-
-    def stop(self) -> None:
-        self._as_postgres(str(self.bin / "pg_ctl"), "-D", str(self.directory / "data"), "-m", "fast", "-w", "stop")
-
-    def remove(self) -> None:
-        with contextlib.suppress(subprocess.CalledProcessError):
-            self.stop()
-        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 class Unavailable(Exception):
@@ -181,7 +138,10 @@ class Rig:
         self.edge = StripeEdge(seed=7).start()
         self.redis = LocalRedis(self.workdir / "redis", persist=self.persist_redis).start()
         if self.postgres:
-            self.pg = PrivatePostgres().create()
+            reason = postgres_unavailable()
+            if reason:
+                raise Unavailable(reason)
+            self.pg = PrivatePostgres(self.services, self.workdir).start()
             self.database_url = self.pg.url
         else:
             self.database_url = f"sqlite+aiosqlite:///{self.workdir / 'flatfare.db'}"
@@ -274,7 +234,7 @@ class Rig:
         if self.redis is not None:
             self.redis.stop()
         if self.pg is not None:
-            self.pg.remove()
+            self.pg.stop()
         if self.edge is not None:
             self.edge.stop()
 
@@ -562,16 +522,16 @@ async def redis_loss(rig: Rig, reps: int) -> Clients:
 
 
 async def postgres_stop(rig: Rig, reps: int) -> Clients:
-    """A private PostgreSQL cluster, 8 clients; 2 s in, it is stopped (pg_ctl -m fast) and started 3 s
-    later; the gateway must answer 503 meanwhile and recover without a restart."""
+    """A private PostgreSQL cluster (bench.postgres), 8 clients; 2 s in, it is stopped (a fast shutdown:
+    SIGINT) and started 3 s later; the gateway must answer 503 meanwhile and recover without a restart."""
     assert rig.pg is not None
     pg = rig.pg
 
     def restart() -> None:
         time.sleep(3)
-        pg.start()
+        pg.resume()
 
-    return await _under_load(rig, reps, 8, 2, pg.stop, restart)
+    return await _under_load(rig, reps, 8, 2, pg.pause, restart)
 
 
 async def stripe_failing(rig: Rig, reps: int) -> Clients:

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import hosts, report
-from bench.cluster import Cluster, InstantWorker, loadgen_result, postgres_unavailable
+from bench.cluster import Cluster, InstantWorker, loadgen_result
+from bench.postgres import postgres_unavailable
 from bench.procs import services
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from bench import hosts
-from bench.cluster import GATEWAY_PORT, REDIS_PORT, Cluster, InstantWorker, loadgen_result, postgres_unavailable
+from bench.cluster import GATEWAY_PORT, REDIS_PORT, Cluster, InstantWorker, loadgen_result
+from bench.postgres import postgres_unavailable
 from bench.procs import services
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns]
