@@ -465,16 +465,17 @@ async def sigterm_drain(rig: Rig, reps: int) -> Clients:
 
 
 async def _under_load(rig: Rig, reps: int, concurrency: int, settle_s: float, fault: Callable[[], object],
-                      mend: Callable[[], object] = lambda: None, after_s: float = 4.0,
+                      mend: Callable[[], object] = lambda: None, down_s: float = 0.0, after_s: float = 4.0,
                       stream_share: float = 0.5) -> Clients:
-    """``reps`` times: clients send for ``settle_s``, then ``fault`` (in a thread), then ``mend``, and
-    they go on for ``after_s`` before the next repetition."""
+    """``reps`` times: clients send for ``settle_s``, then ``fault``, ``down_s`` later ``mend`` (both in
+    a thread), and they go on for ``after_s`` before the next repetition."""
     clients = Clients(rig, stream_share=stream_share)
     for _ in range(reps):
         stop = asyncio.Event()
         load = asyncio.create_task(clients.closed_loop(concurrency, stop.is_set))
         await asyncio.sleep(settle_s)
         await _in_thread(fault)
+        await asyncio.sleep(down_s)
         await _in_thread(mend)
         await asyncio.sleep(after_s)
         stop.set()
@@ -487,24 +488,15 @@ async def gateway_kill(rig: Rig, reps: int) -> Clients:
     """Two gateway processes, 16 clients spread over them (each request holds a worker ~0.45 s): 2 s
     in, one gateway gets SIGKILL with requests in flight; its clients move to the other, as a load
     balancer's would; 2 s later it is started again. The reaper settles what it held (dead after 3 s)."""
-    def restart() -> None:
-        time.sleep(2)
-        rig.start_gateway(0)
-
-    return await _under_load(rig, reps, 16, 2, lambda: rig.kill_gateway(0), restart, after_s=0)
+    return await _under_load(rig, reps, 16, 2, lambda: rig.kill_gateway(0), lambda: rig.start_gateway(0),
+                             down_s=2, after_s=0)
 
 
 async def redis_restart(rig: Rig, reps: int) -> Clients:
     """8 clients; 2 s in, Redis is shut down (SIGTERM: the append-only file is synced), started
     again on it 1 s later, and the clients go on 4 s."""
     assert rig.redis is not None
-    redis = rig.redis
-
-    def restart() -> None:
-        time.sleep(1)
-        redis.start()
-
-    return await _under_load(rig, reps, 8, 2, redis.stop, restart)
+    return await _under_load(rig, reps, 8, 2, rig.redis.stop, rig.redis.start, down_s=1)
 
 
 async def redis_loss(rig: Rig, reps: int) -> Clients:
@@ -525,13 +517,7 @@ async def postgres_stop(rig: Rig, reps: int) -> Clients:
     """A private PostgreSQL cluster (bench.postgres), 8 clients; 2 s in, it is stopped (a fast shutdown:
     SIGINT) and started 3 s later; the gateway must answer 503 meanwhile and recover without a restart."""
     assert rig.pg is not None
-    pg = rig.pg
-
-    def restart() -> None:
-        time.sleep(3)
-        pg.resume()
-
-    return await _under_load(rig, reps, 8, 2, pg.pause, restart)
+    return await _under_load(rig, reps, 8, 2, rig.pg.pause, rig.pg.resume, down_s=3)
 
 
 async def stripe_failing(rig: Rig, reps: int) -> Clients:
