@@ -238,12 +238,13 @@ class Ledger:
                                       .where(_REQUESTS.c.id.in_(request_ids)))
             return {request_id: bool(billable) for request_id, billable in rows}
 
-    async def billable_counts(self, days: list[str]) -> dict[tuple[int, str], int]:
-        """Billable requests per (account, quota day): what the quota counters must say."""
+    async def billable_counts(self, days: list[str], leave_out: tuple[str, ...] = ()) -> dict[tuple[int, str], int]:
+        """Billable requests per (account, quota day), but ``leave_out``: what the counters must say."""
         async with self._sessions() as session:
             rows = await session.execute(
                 select(RequestRecord.account_id, RequestRecord.quota_day, func.count())
-                .where(RequestRecord.billable.is_(True), RequestRecord.quota_day.in_(days))
+                .where(RequestRecord.billable.is_(True), RequestRecord.quota_day.in_(days),
+                       RequestRecord.id.not_in(leave_out))
                 .group_by(RequestRecord.account_id, RequestRecord.quota_day))
             return {(account_id, day): count for account_id, day, count in rows}
 

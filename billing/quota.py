@@ -88,8 +88,8 @@ class Decision:
         return None if self.limit is None else max(self.limit - self.used, 0)
 
 
-# (account_id, day) -> billable requests, for the days to rebuild.
-LedgerCounts = Callable[[list[str]], Awaitable[dict[tuple[int, str], int]]]
+# (account_id, day) -> billable requests, for the days to rebuild, leaving out the request ids given.
+LedgerCounts = Callable[[list[str], tuple[str, ...]], Awaitable[dict[tuple[int, str], int]]]
 
 
 class DailyQuota:
@@ -131,8 +131,10 @@ class DailyQuota:
             raise QuotaUnavailable(str(exc)) from exc
         return int(value or 0)
 
-    async def rebuild(self, day: str) -> None:
-        """Recompute counters for ``day`` and its neighbours from the ledger, then trust them again."""
+    async def rebuild(self, day: str, not_counted: tuple[str, ...] = ()) -> None:
+        """Recompute counters for ``day`` and its neighbours from the ledger, then trust them again.
+        ``not_counted``: requests whose rows are in the ledger but that are being admitted now (an
+        idempotent request writes its row first): the admission counts them, the rebuild must not."""
         try:
             if await self._redis.exists(EPOCH_KEY):
                 return
@@ -145,7 +147,7 @@ class DailyQuota:
                 if await self._redis.exists(EPOCH_KEY):
                     return
                 days = _neighbour_days(day)
-                counts = await self._ledger_counts(days)
+                counts = await self._ledger_counts(days, not_counted)
                 stale: list[bytes] = []
                 for count_day in days:
                     stale += [key async for key in self._redis.scan_iter(match=f"ff:quota:*:{count_day}")]

@@ -30,7 +30,7 @@ from flatfare.storage.models import RequestRecord, RequestStatus
 from gateway.affinity import PrefixRouter, prefix_hash
 from gateway.auth import Caller
 from gateway.errors import APIError, error_body
-from gateway.held import HeldUnits
+from gateway.held import LOST_CODE, HeldUnits
 from gateway.metrics import GatewayMetrics
 from gateway.plans import PlanBook
 from gateway.pools import Pools
@@ -205,7 +205,7 @@ class CompletionService:
         body_sha256 = hashlib.sha256(raw).hexdigest() if idempotency_key else None
         if idempotency_key:
             existing = await self._ledger.find_idempotent(caller.account_id, idempotency_key)
-            if existing is not None and not expired(existing, now):
+            if existing is not None and not expired(existing, now) and not await self._lost(existing, body_sha256):
                 return await self._replay(existing, body_sha256, call)
             if existing is not None:
                 await self._ledger.release_idempotency_key(existing.id)
@@ -324,6 +324,11 @@ class CompletionService:
                 await self._replies.cancel(admission.request_id)
         await self._settle(admission, Outcome(status, http_status, duration_ms=_now_ms() - admission.created_ms,
                                               error_code=code, billable=billable))
+
+    async def _lost(self, existing: RequestRecord, body_sha256: str | None) -> bool:
+        """The same request was lost with its gateway before any answer: its key may run it again."""
+        return (existing.error_code == LOST_CODE and existing.body_sha256 == body_sha256
+                and not await self._replies.has_replies(existing.id))
 
     async def _replay(self, existing: RequestRecord | None, body_sha256: str | None, call: Call) -> Answer:
         if existing is None:

@@ -183,7 +183,7 @@ class LaneQueue:
                 break
             if self._quota is None:
                 raise QuotaUnavailable("the quota counters were lost and this queue cannot rebuild them")
-            await self._quota.rebuild(claim.day)
+            await self._quota.rebuild(claim.day, not_counted=(job.request_id,))
         else:
             raise QuotaUnavailable("the quota counters are being rebuilt; retry shortly")
         if outcome == QUOTA_SPENT:

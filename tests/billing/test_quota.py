@@ -14,7 +14,7 @@ from flatfare.redis_conn import connect
 
 
 def _quota(redis, ledger: dict[tuple[int, str], int] | None = None) -> DailyQuota:
-    async def counts(days: list[str]) -> dict[tuple[int, str], int]:
+    async def counts(days: list[str], leave_out: tuple[str, ...] = ()) -> dict[tuple[int, str], int]:
         return {k: v for k, v in (ledger or {}).items() if k[1] in days}
 
     return DailyQuota(redis, counts)

@@ -142,6 +142,33 @@ def test_idempotent_retry_is_not_counted_or_charged_twice(qstack) -> None:
     assert qstack.sql("SELECT count(*) FROM requests WHERE account_id = :a", a=account_id)[0][0] == 2
 
 
+def test_an_idempotent_request_lost_with_its_gateway_runs_again_under_its_key(qstack) -> None:
+    """A request whose gateway died before any answer was closed free by the reaper (gateway_lost):
+    a retry with its key runs it again instead of answering 409. Simulated on the row and the reply
+    stream the reaper leaves behind."""
+    account_id, key = _account(qstack, "idem-lost")
+    body = {"model": MODEL, "messages": MESSAGES}
+    first = _post(qstack, key, body, **{"Idempotency-Key": "order-lost"})
+    assert first.status_code == 200
+    lost_id = first.headers["x-request-id"]
+    _wait_closed(qstack, account_id)
+    qstack.sql("UPDATE requests SET status = 'failed', billable = false, error_code = 'gateway_lost' "
+               "WHERE id = :i", i=lost_id)
+    client = redis_sync.Redis.from_url(qstack.redis_url)
+    try:
+        client.delete(contract.reply_stream(lost_id))
+    finally:
+        client.close()
+    again = _post(qstack, key, body, **{"Idempotency-Key": "order-lost"})
+    assert again.status_code == 200 and again.headers["x-request-id"] != lost_id
+    _wait_closed(qstack, account_id)
+    keys = dict(qstack.sql("SELECT id, idempotency_key FROM requests WHERE account_id = :a", a=account_id))
+    assert keys == {lost_id: None, again.headers["x-request-id"]: "order-lost"}
+    # An answer that exists is replayed as before, not run a third time.
+    replayed = _post(qstack, key, body, **{"Idempotency-Key": "order-lost"})
+    assert replayed.headers["x-request-id"] == again.headers["x-request-id"]
+
+
 def test_a_ledger_that_cannot_record_the_request_answers_503_and_charges_nothing(qstack) -> None:
     """The row is written while the job runs; no answer may leave without it. If it cannot be written,
     the client gets 503, the unit comes back and nothing is recorded or charged."""
