@@ -25,7 +25,12 @@ Request path in Redis terms:
 4. A client that goes away makes the gateway PUBLISH the request id on :data:`CANCEL_CHANNEL` and
    set ``cancel_key(request_id)``; the worker aborts the engine request, or skips the job if it
    had not started it yet.
-5. Workers announce themselves every :data:`HEARTBEAT_INTERVAL_S` in ``pool_key(model)`` (a sorted
+5. A Redis that lost its data lost the queued jobs and the leases with it. A worker that finds the
+   entries of jobs it runs gone (its lease renewal claims nothing) says it still has each of them
+   every :data:`HELD_EVERY_S` with a ``HELD`` reply (no data; readers skip it). After a loss the
+   gateway answers a request that hears nothing, not even that, for its grace period: its job was
+   lost with the data (503 ``job_lost``, free).
+6. Workers announce themselves every :data:`HEARTBEAT_INTERVAL_S` in ``pool_key(model)`` (a sorted
    set scored by the last heartbeat, in ms) and ``worker_key(worker_id)`` (a hash of
    :class:`WorkerInfo`). A worker is live while its heartbeat is younger than :data:`WORKER_TTL_S`.
 """
@@ -48,6 +53,8 @@ DEFAULT_LEASE_S = 15.0
 # While the standard lane has work, at least this share of a worker's claims go to it.
 STANDARD_SHARE = 0.2
 WORKER_TTL_S = 5.0
+# How often a worker running jobs whose queue entries were lost (Redis lost its data) says so.
+HELD_EVERY_S = 2.0
 # A reply stream outlives its request by this much, so a gateway that died mid-read leaves no garbage.
 REPLY_TTL_S = 600
 CANCEL_TTL_S = 600
@@ -141,10 +148,12 @@ class ReplyKind(StrEnum):
     RESPONSE = "r"
     ERROR = "e"
     END = "x"
+    # Not an answer: the worker still runs the job though its queue entry was lost (item 5 above).
+    HELD = "h"
 
     @property
     def terminal(self) -> bool:
-        return self is not ReplyKind.CHUNK
+        return self is not ReplyKind.CHUNK and self is not ReplyKind.HELD
 
 
 def _text(value: bytes | str) -> str:
@@ -214,7 +223,7 @@ class Reply:
     """One entry of a reply stream.
 
     ``data`` is, by kind: CHUNK, the JSON of one SSE event (without ``data: ``); RESPONSE, the
-    JSON body; ERROR, the OpenAI error body; END, empty. ``status`` is the HTTP status for
+    JSON body; ERROR, the OpenAI error body; END and HELD, empty. ``status`` is the HTTP status for
     RESPONSE and ERROR. ``usage`` is set on RESPONSE and END. ``started_ms`` (the worker's wall
     clock when it took the job) is on the first CHUNK and on terminal replies; ``first_token_ms``
     (when the engine produced its first output, 0 when none came) is on terminal replies.

@@ -63,7 +63,7 @@ def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
         state.ledger = ledger
         limits = {Lane.PREMIUM: LaneLimits(settings.max_queue_depth_premium, settings.max_queue_wait_s_premium),
                   Lane.STANDARD: LaneLimits(settings.max_queue_depth_standard, settings.max_queue_wait_s_standard)}
-        router = ReplyRouter(redis, settings.request_timeout_s)
+        router = ReplyRouter(redis, settings.request_timeout_s, lost_after_s=settings.lost_job_after_s)
         router.start()
         held = HeldUnits(redis, router.gateway_id, ledger, state.quota, settings.gateway_dead_after_s)
         held.start()

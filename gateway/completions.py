@@ -38,7 +38,7 @@ from gateway.request_checks import (IDEMPOTENCY_WINDOW_S, check_caps, check_fits
                                     idempotency_key_of, parse_body)
 from gateway.queueing import LaneQueue, QuotaClaim, QuotaSpent, Queued
 from gateway.ratelimit import ratelimit_headers
-from gateway.replies import Inbox, Replies, ReplyRouter, timed_out
+from gateway.replies import JOB_LOST, Inbox, Replies, ReplyRouter, timed_out
 from gateway.safety import RequestScreen
 
 log = logging.getLogger("flatfare.gateway")
@@ -247,6 +247,7 @@ class CompletionService:
                                                                        billable=False))
             raise self._refusal(exc, terms, window, now) from None
         admission = replace(admission, generation=admitted.generation)
+        self._router.admitted(inbox, admitted.queued.stream, admitted.queued.entry_id, admitted.generation)
         call.ratelimit = ratelimit_headers(terms.daily_limit, admitted.used, window, now)
         # The row is written while the job runs; no answer leaves before it is committed.
         opening = None if idempotency_key else self._ledger.start_open(**row)
@@ -326,9 +327,13 @@ class CompletionService:
                                               error_code=code, billable=billable))
 
     async def _lost(self, existing: RequestRecord, body_sha256: str | None) -> bool:
-        """The same request was lost with its gateway before any answer: its key may run it again."""
-        return (existing.error_code == LOST_CODE and existing.body_sha256 == body_sha256
-                and not await self._replies.has_replies(existing.id))
+        """The same request was lost, free, before any answer: with its gateway, or its job with Redis's
+        data. Its key may run it again."""
+        if existing.body_sha256 != body_sha256 or existing.billable:
+            return False
+        if existing.error_code == JOB_LOST:
+            return True
+        return existing.error_code == LOST_CODE and not await self._replies.has_replies(existing.id)
 
     async def _replay(self, existing: RequestRecord | None, body_sha256: str | None, call: Call) -> Answer:
         if existing is None:

@@ -7,6 +7,12 @@ process holding a thousand requests makes one read per batch of replies, not one
 request. Idempotent requests (and their replays) use the request's own stream, kept 24 h; a small
 pump task per such request feeds its inbox the same way. (Jobs are put on their lanes by
 :mod:`gateway.queueing`.)
+
+A Redis that lost its data lost the jobs still queued in it. The reader notices (the quota
+counters' generation, read every second and returned by each admission, changed) and from then on
+watches every request it holds: one that hears nothing for ``lost_after_s``, not even a worker's
+HELD reply, and whose queue entry is gone, is answered 503 ``job_lost`` (free) instead of waiting
+for its timeout.
 """
 
 from __future__ import annotations
@@ -21,10 +27,13 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+import orjson
+
+from billing.quota import EPOCH_KEY
 from flatfare import contract
-from flatfare.contract import Reply
+from flatfare.contract import Reply, ReplyKind
 from flatfare.redis_conn import SOCKET_TIMEOUT_S, without_read_timeouts
-from gateway.errors import APIError
+from gateway.errors import APIError, error_body
 
 log = logging.getLogger("flatfare.gateway")
 
@@ -38,16 +47,27 @@ _TRIM_EVERY = 512
 _RENEW_EVERY_S = 5.0
 # Pause after a failed read (Redis restarting), so the loop does not spin.
 _RETRY_S = 0.2
+# How often the quota counters' generation is read (a change means Redis lost its data), and how
+# often the requests watched since are looked at.
+_CHECK_EVERY_S = 1.0
+JOB_LOST = "job_lost"
 
 
 def timed_out() -> APIError:
     return APIError(504, "The request timed out waiting for its worker; retry it.", code="timeout")
 
 
+def _job_lost() -> Reply:
+    body = error_body(503, "The request's job was lost when the queue's store lost its data; it was not "
+                      "charged. Retry it.", code=JOB_LOST)
+    return Reply(ReplyKind.ERROR, orjson.dumps(body).decode(), status=503)
+
+
 class Inbox:
     """The replies of one request, as the reader delivers them, and a way to wait for them."""
 
-    __slots__ = ("request_id", "_replies", "_waiter", "gone")
+    __slots__ = ("request_id", "_replies", "_waiter", "gone", "generation", "entry", "heard", "quiet_since",
+                 "missing")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -55,9 +75,18 @@ class Inbox:
         self._waiter: asyncio.Future[None] | None = None
         # Set when the client disconnected; wakes whoever waits.
         self.gone = False
+        # Once admitted: the quota counters' generation it was counted in, and its queue entry.
+        self.generation = ""
+        self.entry: tuple[str, str] | None = None
+        # Watched after a loss of Redis's data: whether anything arrived since the last look, since
+        # when nothing did, and whether its queue entry was missing at the last look.
+        self.heard = False
+        self.quiet_since: float | None = None
+        self.missing = False
 
     def push(self, reply: Reply) -> None:
         self._replies.append(reply)
+        self.heard = True
         self._wake()
 
     def leave(self) -> None:
@@ -96,7 +125,7 @@ class ReplyRouter:
     """Reads this gateway process's reply stream and routes each entry to its request's inbox."""
 
     def __init__(self, redis: aioredis.Redis, timeout_s: float, gateway_id: str | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, lost_after_s: float = 15.0) -> None:
         self._redis = redis
         # One pipeline a read, bounded as a whole (redis-py would time each of its replies).
         self._reader = without_read_timeouts(redis)
@@ -105,7 +134,12 @@ class ReplyRouter:
         self.stream = contract.gateway_replies(self.gateway_id)
         self._inboxes: dict[str, Inbox] = {}
         self._pumps: dict[int, asyncio.Task[None]] = {}  # id(inbox) -> its pump
+        self._followed: dict[int, Inbox] = {}  # id(inbox) -> the inbox a pump feeds
         self._clock = clock
+        self.lost_after_s = lost_after_s
+        # The quota counters' generation last seen ("": none, Redis lost its data); None: not yet read.
+        self.generation: str | None = None
+        self._watched: dict[int, Inbox] = {}
         self._task: asyncio.Task[None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -137,12 +171,25 @@ class ReplyRouter:
         key = id(inbox)
         task = asyncio.create_task(self._pump(contract.reply_stream(request_id), inbox), name=f"replay-{request_id}")
         self._pumps[key] = task
+        self._followed[key] = inbox
         task.add_done_callback(lambda _t: self._pumps.pop(key, None))
         return inbox
 
+    def admitted(self, inbox: Inbox, stream: str, entry_id: str, generation: str) -> None:
+        """The request's job is queued at ``entry_id`` of ``stream``, its unit counted in ``generation``."""
+        inbox.generation = generation
+        inbox.entry = (stream, entry_id)
+        if self.generation is None:
+            self.generation = generation
+        elif generation != self.generation:
+            self._saw(generation)
+
     def close(self, inbox: Inbox) -> None:
         """The request is over: stop routing to its inbox."""
-        pump = self._pumps.pop(id(inbox), None)
+        key = id(inbox)
+        self._watched.pop(key, None)
+        self._followed.pop(key, None)
+        pump = self._pumps.pop(key, None)
         if pump is not None:
             pump.cancel()
         elif self._inboxes.get(inbox.request_id) is inbox:
@@ -152,26 +199,94 @@ class ReplyRouter:
     def holding(self) -> int:
         return len(self._inboxes)
 
+    # -- after Redis lost its data ---------------------------------------------------------------
+
+    def _saw(self, generation: str) -> None:
+        """The quota counters' generation now. A change (or none: Redis lost its data, no gateway
+        rebuilt the counters yet) means jobs queued before may be gone: watch every admitted request.
+        A false alarm (an admission that read the old generation) costs a look at their entries."""
+        if generation == self.generation:
+            return
+        first, self.generation = self.generation is None, generation
+        if first:
+            return
+        now = self._clock()
+        for inbox in [*self._inboxes.values(), *self._followed.values()]:
+            if inbox.entry is not None and id(inbox) not in self._watched:
+                inbox.heard, inbox.quiet_since, inbox.missing = False, now, False
+                self._watched[id(inbox)] = inbox
+        if self._watched:
+            log.warning("the quota counters' generation changed: Redis lost its data; watching %d requests",
+                        len(self._watched))
+
+    async def _look(self) -> None:
+        """Answer the watched requests that were quiet for ``lost_after_s`` and whose queue entry is
+        gone at two looks in a row (a finished job's entry goes just after its last reply)."""
+        now = self._clock()
+        due: list[Inbox] = []
+        for inbox in list(self._watched.values()):
+            if inbox.heard:  # a reply or a worker's HELD: its job is alive
+                inbox.heard, inbox.quiet_since, inbox.missing = False, now, False
+            elif inbox.quiet_since is not None and now - inbox.quiet_since >= self.lost_after_s:
+                due.append(inbox)
+        if not due:
+            return
+        async with asyncio.timeout(SOCKET_TIMEOUT_S), self._redis.pipeline(transaction=False) as pipe:
+            for inbox in due:
+                stream, entry_id = inbox.entry  # type: ignore[misc]
+                pipe.xrange(stream, entry_id, entry_id, count=1)
+            found = await pipe.execute()
+        for inbox, entries in zip(due, found, strict=True):
+            if entries:  # still queued (or claimed) after the loss: the lease machinery has it
+                self._watched.pop(id(inbox), None)
+            elif inbox.heard:
+                continue
+            elif inbox.missing:
+                self._watched.pop(id(inbox), None)
+                await self._lost(inbox)
+            else:
+                inbox.missing = True
+
+    async def _lost(self, inbox: Inbox) -> None:
+        log.warning("the job of %s was lost with Redis's data", inbox.request_id)
+        reply = _job_lost()
+        if id(inbox) in self._followed:  # into its own stream: its pump and any replay read it there
+            key = contract.reply_stream(inbox.request_id)
+            try:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    pipe.xadd(key, reply.to_fields())
+                    pipe.expire(key, contract.REPLY_TTL_S)
+                    await pipe.execute()
+                return
+            except (RedisError, OSError):
+                pass
+        inbox.push(reply)
+
     # -- the readers -------------------------------------------------------------------------
 
     async def _read_loop(self) -> None:
         last = "0-0"
         unread_trimmed = 0  # entries read since the stream was last trimmed
         renew_at = 0.0  # when the stream's TTL is renewed next
+        check_at = 0.0  # when the quota counters' generation is read next
         while True:
             now = self._clock()
             trim = last != "0-0" and (unread_trimmed >= _TRIM_EVERY or now >= renew_at)
             renew = now >= renew_at
+            check = now >= check_at
             try:
                 async with asyncio.timeout(SOCKET_TIMEOUT_S):
-                    if trim or renew:
+                    if trim or renew or check:
                         async with self._reader.pipeline(transaction=False) as pipe:
                             if trim:  # everything before the last entry read
                                 pipe.xtrim(self.stream, minid=last, approximate=False)
                             if renew:
                                 pipe.expire(self.stream, contract.REPLY_TTL_S)
+                            if check:
+                                pipe.get(EPOCH_KEY)
                             pipe.xread({self.stream: last}, count=_READ_COUNT, block=_BLOCK_MS)
-                            result = (await pipe.execute())[-1]
+                            results = await pipe.execute()
+                        result = results[-1]
                     else:  # one command: at one request in flight, a read per reply
                         result = await self._reader.xread({self.stream: last}, count=_READ_COUNT, block=_BLOCK_MS)
             except asyncio.CancelledError:
@@ -192,7 +307,20 @@ class ReplyRouter:
                     request_id = fields.get(b"i")
                     inbox = inboxes.get(request_id.decode()) if request_id else None
                     if inbox is not None:
-                        inbox.push(Reply.from_entry(fields))
+                        reply = Reply.from_entry(fields)
+                        if reply.kind is ReplyKind.HELD:
+                            inbox.heard = True
+                        else:
+                            inbox.push(reply)
+            if check:
+                check_at = now + _CHECK_EVERY_S
+                generation = results[-2]
+                self._saw(generation.decode() if generation else "")
+                if self._watched:
+                    try:
+                        await self._look()
+                    except (RedisError, OSError, TimeoutError) as exc:
+                        log.warning("looking for lost jobs failed (%s); retrying", exc.__class__.__name__)
 
     async def _pump(self, key: str, inbox: Inbox) -> None:
         last = "0-0"
@@ -206,6 +334,9 @@ class ReplyRouter:
                 for entry_id, fields in entries:
                     last = entry_id
                     reply = Reply.from_entry(fields)
+                    if reply.kind is ReplyKind.HELD:
+                        inbox.heard = True
+                        continue
                     inbox.push(reply)
                     if reply.kind.terminal:
                         return

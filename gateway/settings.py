@@ -21,6 +21,11 @@ class GatewaySettings(CommonSettings):
     max_body_bytes: int = 8 * 1024 * 1024
     # How long a request may wait for its worker's answer, queued and running together.
     request_timeout_s: float = 600.0
+    # After Redis lost its data (the quota counters' generation changed), a request that hears
+    # nothing from any worker for this long lost its job with the data: 503 job_lost, free. Workers
+    # still running such a job say so every contract.HELD_EVERY_S once their lease renewal (every
+    # third of their job lease) finds its entry gone, so this must exceed a third of the lease plus that.
+    lost_job_after_s: float = 15.0
     # A gateway process silent this long died: another one settles the quota units it held
     # (gateway/held.py). Processes renew every 0.5 s.
     gateway_dead_after_s: float = 30.0

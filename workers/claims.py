@@ -118,13 +118,24 @@ class Claimer:
                 self.share.took(lanes_by_stream[stream], len(entries))
         return claimed
 
-    async def renew(self, held: dict[str, list[bytes]]) -> None:
-        """Reset the idle time of the jobs this worker holds, so nobody takes them over."""
+    async def renew(self, held: dict[str, list[bytes]]) -> set[tuple[str, bytes]]:
+        """Reset the idle time of the jobs this worker holds, so nobody takes them over. Returns the
+        (stream, entry id) of those no longer pending anywhere: Redis lost them with its data."""
+        renewing = [(stream, ids) for stream, ids in held.items() if ids]
         async with self.redis.pipeline(transaction=False) as pipe:
-            for stream, ids in held.items():
-                if ids:
-                    pipe.xclaim(stream, contract.POOL_GROUP, self.worker_id, 0, ids, justid=True)
-            await pipe.execute()
+            for stream, ids in renewing:
+                pipe.xclaim(stream, contract.POOL_GROUP, self.worker_id, 0, ids, justid=True)
+            results = await pipe.execute(raise_on_error=False)
+        lost: set[tuple[str, bytes]] = set()
+        for (stream, ids), result in zip(renewing, results, strict=True):
+            if isinstance(result, ResponseError) and "NOGROUP" in str(result):  # the stream went
+                lost.update((stream, entry_id) for entry_id in ids)
+            elif isinstance(result, Exception):
+                raise result
+            else:
+                claimed = set(result)
+                lost.update((stream, entry_id) for entry_id in ids if entry_id not in claimed)
+        return lost
 
     async def hand_back(self, held: dict[str, list[bytes]], lease_ms: int) -> None:
         """Make held jobs look abandoned at once, so another worker takes them over now."""

@@ -95,6 +95,7 @@ class WorkerLoop:
         self.inflight: dict[str, asyncio.Task[None]] = {}
         # request id -> (stream, entry id) of each job held, for acks, renewals and hand-backs.
         self.entries: dict[str, tuple[str, bytes]] = {}
+        self.jobs: dict[str, Job] = {}
         self._handed_back: set[str] = set()
         self._slot_freed = asyncio.Event()
         self._stopping = asyncio.Event()
@@ -204,6 +205,7 @@ class WorkerLoop:
         if self.metrics is not None:
             self.metrics.taken((batch.lane or job.lane).value, job.enqueued_ms)
         self.entries[job.request_id] = (batch.stream, entry_id)
+        self.jobs[job.request_id] = job
         task = asyncio.create_task(self._handle(batch.stream, entry_id, job, batch.reclaimed), name=job.request_id)
         self.inflight[job.request_id] = task
         task.add_done_callback(lambda _t, rid=job.request_id: self._finished(rid))
@@ -211,18 +213,38 @@ class WorkerLoop:
     def _finished(self, request_id: str) -> None:
         self.inflight.pop(request_id, None)
         self.entries.pop(request_id, None)
+        self.jobs.pop(request_id, None)
         self._handed_back.discard(request_id)
         self._slot_freed.set()
 
     async def _renew_leases(self) -> None:
+        orphans = 0
         while True:
-            await asyncio.sleep(self.lease_ms / 3000)
+            await asyncio.sleep(min(self.lease_ms / 3000, contract.HELD_EVERY_S) if orphans else self.lease_ms / 3000)
             held: dict[str, list[bytes]] = {}
             for stream, entry_id in list(self.entries.values()):
                 held.setdefault(stream, []).append(entry_id)
-            if held:
-                with contextlib.suppress(aioredis.RedisError, OSError):
-                    await self.claimer.renew(held)
+            if not held:
+                orphans = 0
+                continue
+            try:
+                lost = await self.claimer.renew(held)
+            except (aioredis.RedisError, OSError):
+                continue
+            orphans = self._still_holding(lost)
+
+    def _still_holding(self, lost: set[tuple[str, bytes]]) -> int:
+        """Jobs whose queue entries Redis lost with its data run on here, but nothing in Redis says
+        so any more: tell each one's gateway (a HELD reply), so it does not answer them as lost."""
+        orphans = 0
+        for request_id, entry in list(self.entries.items()):
+            job = self.jobs.get(request_id)
+            if entry in lost and job is not None:
+                self.replies.send(job, Reply(ReplyKind.HELD), first=True)
+                orphans += 1
+        if orphans:
+            log.warning("%d jobs run on whose queue entries Redis lost", orphans)
+        return orphans
 
     async def _take_over(self) -> None:
         """Run the jobs of workers that died (their lease ran out). A busy worker takes a few of them

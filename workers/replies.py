@@ -21,7 +21,7 @@ import logging
 import redis.asyncio as aioredis
 
 from flatfare import contract
-from flatfare.contract import Job, Reply
+from flatfare.contract import Job, Reply, ReplyKind
 from flatfare.redis_conn import SOCKET_TIMEOUT_S
 
 log = logging.getLogger("flatfare.worker")
@@ -132,7 +132,7 @@ class ReplyWriter:
 def _entry(job: Job, reply: Reply, set_ttl: bool, done: asyncio.Future[None] | None) -> _Pending:
     # A gateway's shared reply stream needs the request id in each entry; a request's own does not.
     fields = reply.to_fields(job.request_id if job.reply_to else "")
-    marker = contract.begun_key(job.request_id) if set_ttl and not reply.kind.terminal else ""
+    marker = contract.begun_key(job.request_id) if set_ttl and reply.kind is ReplyKind.CHUNK else ""
     return (job.reply_key, fields, set_ttl, marker, done)
 
 

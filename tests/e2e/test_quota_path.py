@@ -233,3 +233,49 @@ def test_worker_killed_before_the_first_token_gives_the_unit_back(tmp_path) -> N
         assert rows == [("failed", False)]  # one row, not charged
         assert _counter(stack, account_id) == 0
         assert stack.sql("SELECT count(*) FROM usage_outbox")[0][0] == 0
+
+
+def test_jobs_lost_with_redis_data_are_answered_at_once_and_free(tmp_path) -> None:
+    """Redis loses its data (FLUSHALL) with one job running on the worker and two queued behind it
+    (one with an Idempotency-Key). The running one is answered (the worker says it still holds it);
+    the queued ones get 503 job_lost within seconds, not at the request timeout, and cost nothing;
+    the rebuilt counter equals the billable rows; the idempotent one runs again under its key."""
+    env = {"FLATFARE_REQUEST_TIMEOUT_S": "60", "FLATFARE_LOST_JOB_AFTER_S": "1.5", "FLATFARE_JOB_LEASE_S": "1.5",
+           "FLATFARE_MAX_INFLIGHT": "1", "FLATFARE_INSTANT_FIRST_TOKEN_DELAY_S": "5"}
+    with launch_stack(tmp_path, model=MODEL, worker_args=("--engine", "instant"), env=env) as stack:
+        account_id = stack.sql("SELECT id FROM accounts WHERE name = 'e2e'")[0][0]
+        client = redis_sync.Redis.from_url(stack.redis_url)
+        body = {"model": MODEL, "messages": MESSAGES}
+        headers = {"Authorization": f"Bearer {stack.api_key}"}
+
+        async def three_then_flush() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=stack.base_url, timeout=60, headers=headers) as http:
+                sent = [asyncio.ensure_future(http.post("/v1/chat/completions", json=body,
+                                                        headers={"Idempotency-Key": "lost-1"} if i == 2 else {}))
+                        for i in range(3)]
+                stream = contract.job_stream(MODEL)
+                deadline = time.monotonic() + 10
+                while not (client.xlen(stream) == 3 and client.xpending(stream, contract.POOL_GROUP)["pending"] == 1):
+                    assert time.monotonic() < deadline, "the jobs were never queued"
+                    await asyncio.sleep(0.05)
+                client.flushall()
+                return list(await asyncio.gather(*sent))
+
+        started = time.monotonic()
+        answers = asyncio.run(three_then_flush())
+        assert time.monotonic() - started < 30  # not the 60 s request timeout
+        codes = sorted(str(a.status_code) if a.status_code == 200 else a.json()["error"]["code"] for a in answers)
+        assert codes == ["200", "job_lost", "job_lost"], [a.text for a in answers]
+        _wait_closed(stack, account_id)
+        rows = stack.sql("SELECT billable, error_code FROM requests WHERE account_id = :a", a=account_id)
+        assert sorted(rows, key=str) == sorted([(True, None), (False, "job_lost"), (False, "job_lost")], key=str)
+
+        # The next request rebuilds the counters from the ledger: the one answered, then itself.
+        # The idempotent one runs again under its key (it was lost free, before any answer).
+        again = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=60,
+                           headers={**headers, "Idempotency-Key": "lost-1"})
+        assert again.status_code == 200, again.text
+        _wait_closed(stack, account_id)
+        assert _counter(stack, account_id) == 2
+        assert stack.sql("SELECT count(*) FROM requests WHERE account_id = :a AND billable", a=account_id)[0][0] == 2
+        client.close()

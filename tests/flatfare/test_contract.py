@@ -25,8 +25,8 @@ def test_reply_round_trip_keeps_usage_and_timings() -> None:
     assert Reply.from_fields(_as_redis(chunk.to_fields())) == chunk
 
 
-def test_only_chunks_are_not_terminal() -> None:
-    assert [k for k in ReplyKind if not k.terminal] == [ReplyKind.CHUNK]
+def test_only_chunks_and_held_are_not_terminal() -> None:
+    assert [k for k in ReplyKind if not k.terminal] == [ReplyKind.CHUNK, ReplyKind.HELD]
 
 
 def test_worker_info_round_trip() -> None:

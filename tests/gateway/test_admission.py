@@ -5,6 +5,7 @@ per-process reply stream routes every entry to its own request."""
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import UTC, datetime
 
 import pytest
@@ -162,3 +163,32 @@ async def test_a_unit_counted_before_a_rebuild_is_given_back_after_it(redis) -> 
 
 async def _no_counts(days: list[str], leave_out: tuple[str, ...] = ()) -> dict[tuple[int, str], int]:
     return {}
+
+
+async def test_after_a_loss_only_jobs_gone_from_redis_and_silent_are_answered_lost(redis) -> None:
+    """Once the counters' generation changes, the router watches what it holds: a job whose entry
+    is still queued is left alone (a false alarm), one whose worker says HELD lives on, and one gone
+    from Redis and silent for ``lost_after_s`` (at two looks) gets 503 job_lost."""
+    router = ReplyRouter(redis, timeout_s=60.0, gateway_id="g3", lost_after_s=1.0)
+    await redis.set(EPOCH_KEY, "gen-1")
+    router.start()
+    try:
+        stream = contract.job_stream(POOL)
+        queued, held, lost = router.open("q"), router.open("h"), router.open("l")
+        for inbox in (queued, held, lost):
+            entry_id = (await redis.xadd(stream, {"i": inbox.request_id})).decode()
+            router.admitted(inbox, stream, entry_id, "gen-1")
+        await redis.xdel(stream, held.entry[1], lost.entry[1])  # their entries went with the data
+        await redis.set(EPOCH_KEY, "gen-2")
+        replies = contract.gateway_replies("g3")
+        answer: list[Reply] = []
+        deadline = time.monotonic() + 20
+        while not answer:  # the worker running "h" says so, every half second
+            assert time.monotonic() < deadline, "the lost job was never answered"
+            await redis.xadd(replies, Reply(ReplyKind.HELD).to_fields("h"))
+            answer = await lost.next(0.5)
+        assert [(r.kind, r.status) for r in answer] == [(ReplyKind.ERROR, 503)]
+        assert '"job_lost"' in answer[0].data
+        assert await queued.next(0.01) == [] and await held.next(0.01) == []  # HELD is not an answer
+    finally:
+        await router.stop()

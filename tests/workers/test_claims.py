@@ -48,3 +48,24 @@ async def test_standard_is_served_first_once_it_has_earned_a_slot(redis) -> None
         await redis.xadd(claimer.lanes[lane], {"id": lane.value})
     claimed = await claimer.claim(1, block_ms=10)
     assert [(c.lane, len(c.entries)) for c in claimed] == [(Lane.STANDARD, 1)]
+
+
+async def test_renewal_names_the_held_jobs_redis_lost(redis) -> None:
+    """Renewing returns nothing while the entries are pending; after the data is gone (FLUSHALL, a
+    restart without persistence) every held entry comes back as lost, and a group made again (the
+    claim loop does that) does not hide the loss."""
+    claimer = Claimer(redis, "m", "w3")
+    await claimer.setup()
+    premium, standard = claimer.lanes[Lane.PREMIUM], claimer.lanes[Lane.STANDARD]
+    await redis.xadd(premium, {"id": "a"})
+    await redis.xadd(standard, {"id": "b"})
+    held: dict[str, list[bytes]] = {}
+    for batch in await claimer.claim(2, block_ms=10):
+        held[batch.stream] = [entry_id for entry_id, _ in batch.entries]
+    assert sum(map(len, held.values())) == 2
+    assert await claimer.renew(held) == set()
+    await redis.flushall()
+    everything = {(stream, entry_id) for stream, ids in held.items() for entry_id in ids}
+    assert await claimer.renew(held) == everything
+    await claimer.setup()
+    assert await claimer.renew(held) == everything
