@@ -156,38 +156,46 @@ class Ledger:
         """Commit what is pending, one transaction at a time, until nothing is; then end."""
         while self._pending:
             batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
-            try:
-                await self._commit(batch)
-            except (SQLAlchemyError, OSError) as exc:
-                if _unreachable(exc):
-                    self.unreachable_until = time.monotonic() + RETRY_S
-                    # Opens fail now (their requests are refused); closes wait for the database.
-                    closes = [write for write in batch if write.opening is None]
-                    _settle([write for write in batch if write.opening is not None], exc)
-                    if closes:
-                        log.warning("ledger unreachable (%s); %d closes wait", exc.__class__.__name__, len(closes))
-                        self._pending[:0] = closes
-                        await asyncio.sleep(RETRY_S)
-                    continue
-                if len(batch) == 1:
-                    _settle(batch, exc)
-                    continue
-                # One bad write (a reused Idempotency-Key) must not fail the others: one at a time.
-                for write in batch:
-                    try:
-                        await self._commit([write])
-                    except SQLAlchemyError as exc:
-                        _settle([write], exc)
-                    else:
-                        _settle([write], None)
+            try:  # whatever escapes the handling below, every waiter of the batch hears of it
+                try:
+                    await self._commit(batch)
+                except (SQLAlchemyError, OSError) as exc:
+                    if _unreachable(exc):
+                        await self._wait_for_database(batch, exc)
+                    elif len(batch) == 1:
+                        _settle(batch, exc)
+                    else:  # one bad write (a reused Idempotency-Key) must not fail the others
+                        await self._one_by_one(batch)
+                else:
+                    _settle(batch, None)
             except BaseException as exc:  # noqa: BLE001 - the waiters must hear of it, whatever it is
                 _settle(batch, exc)
                 if isinstance(exc, asyncio.CancelledError):
                     _settle(self._pending, exc)
                     self._pending = []
                     raise
+
+    async def _wait_for_database(self, batch: list[_Write], exc: BaseException) -> None:
+        """Opens fail now (their requests are refused); closes wait for the database."""
+        self.unreachable_until = time.monotonic() + RETRY_S
+        closes = [write for write in batch if write.opening is None]
+        _settle([write for write in batch if write.opening is not None], exc)
+        if closes:
+            log.warning("ledger unreachable (%s); %d closes wait", exc.__class__.__name__, len(closes))
+            self._pending[:0] = closes
+            await asyncio.sleep(RETRY_S)
+
+    async def _one_by_one(self, batch: list[_Write]) -> None:
+        for index, write in enumerate(batch):
+            try:
+                await self._commit([write])
+            except (SQLAlchemyError, OSError) as exc:
+                if _unreachable(exc):  # the database went away meanwhile (its first error did not say so)
+                    await self._wait_for_database(batch[index:], exc)
+                    return
+                _settle([write], exc)
             else:
-                _settle(batch, None)
+                _settle([write], None)
 
     async def _commit(self, batch: list[_Write]) -> None:
         if self._sqlite is not None:  # SQLite: on the loop if the lock is free, else in the thread

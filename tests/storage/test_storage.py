@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 import pytest
 from alembic import command
 from sqlalchemy import func, select
+from sqlalchemy.exc import DBAPIError
 
 from billing.ledger import Charge, DuplicateIdempotencyKey, Ledger, Outcome
 from flatfare.storage.accounts import AccountError, ensure_account, issue_key
@@ -137,6 +138,36 @@ async def test_a_reused_idempotency_key_fails_only_its_own_write(sessions) -> No
     async with sessions() as session:
         ids = set(await session.scalars(select(RequestRecord.id)))
     assert ids == {"a", "c", "d"}
+
+
+async def test_a_database_lost_in_the_middle_of_a_batch_leaves_no_write_waiting(sessions) -> None:
+    """The database stops while a batch is written: its first error does not say it is gone (an admin
+    shutdown), the one-by-one retry then meets a reset connection. Opens must fail at once and closes
+    wait for the database and land; before, the writer died and its waiters hung for ever."""
+    issued = await _issued_key(sessions)
+    ledger = Ledger(sessions)
+    real_commit = ledger._commit
+    failures = [DBAPIError("COMMIT", None, Exception("terminating connection due to administrator command")),
+                ConnectionResetError(104, "Connection reset by peer")]
+
+    async def commit(batch) -> None:  # the database's side of the fault, at the driver's edge
+        if failures:
+            raise failures.pop(0)
+        await real_commit(batch)
+
+    await ledger.open(request_id="closing", account_id=issued.account_id, api_key_id=issued.key_id, model="m",
+                      endpoint="chat", stream=False, created_at=datetime.now(UTC))
+    ledger._commit = commit  # type: ignore[method-assign]
+    opening = ledger.start_open(request_id="opening", account_id=issued.account_id, api_key_id=issued.key_id,
+                                model="m", endpoint="chat", stream=False, created_at=datetime.now(UTC))
+    closing = ledger.start_close("closing", Outcome(RequestStatus.SUCCEEDED, 200, completion_tokens=3))
+    async with asyncio.timeout(10):
+        with pytest.raises(OSError):
+            await ledger.opened(opening)
+        await closing
+    async with sessions() as session:
+        rows = {r.id: r for r in await session.scalars(select(RequestRecord))}
+    assert set(rows) == {"closing"} and rows["closing"].status == "succeeded"
 
 
 def test_downgrade_and_upgrade_again(database_url: str) -> None:
