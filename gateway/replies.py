@@ -203,21 +203,22 @@ class ReplyRouter:
 
     def _saw(self, generation: str) -> None:
         """The quota counters' generation now. A change (or none: Redis lost its data, no gateway
-        rebuilt the counters yet) means jobs queued before may be gone: watch every admitted request.
-        A false alarm (an admission that read the old generation) costs a look at their entries."""
+        rebuilt the counters yet) means the jobs of requests counted in another generation may be
+        gone: watch them. A false alarm (an admission that read the old generation) costs a look at
+        their entries."""
         if generation == self.generation:
             return
-        first, self.generation = self.generation is None, generation
-        if first:
-            return
+        self.generation = generation
         now = self._clock()
+        watching = 0
         for inbox in [*self._inboxes.values(), *self._followed.values()]:
-            if inbox.entry is not None and id(inbox) not in self._watched:
+            if inbox.entry is not None and inbox.generation != generation and id(inbox) not in self._watched:
                 inbox.heard, inbox.quiet_since, inbox.missing = False, now, False
                 self._watched[id(inbox)] = inbox
-        if self._watched:
-            log.warning("the quota counters' generation changed: Redis lost its data; watching %d requests",
-                        len(self._watched))
+                watching += 1
+        if watching:
+            log.warning("the quota counters' generation changed (Redis lost its data?); watching %d requests",
+                        watching)
 
     async def _look(self) -> None:
         """Answer the watched requests that were quiet for ``lost_after_s`` and whose queue entry is
