@@ -23,7 +23,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from flatfare.storage.db import sqlite_pragmas
-from flatfare.storage.models import RequestRecord, RequestStatus, UsageOutbox
+from flatfare.storage.models import RequestRecord, RequestStatus, UsageOutbox, as_utc
 
 log = logging.getLogger("flatfare.billing")
 
@@ -52,7 +52,7 @@ _METER = f"INSERT INTO {_OUTBOX.name} ({', '.join(_METER_COLUMNS)}) VALUES ({', 
 
 def _value(value: Any) -> Any:
     if isinstance(value, datetime):
-        return value.strftime(_DATETIME)
+        return as_utc(value).strftime(_DATETIME)
     if isinstance(value, bool):
         return int(value)
     return value

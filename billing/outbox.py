@@ -61,9 +61,8 @@ class OutboxSender:
             values = {"status": OutboxStatus.SKIPPED.value, "last_error": "account has no Stripe customer"}
         else:
             try:
-                created = row.created_at if row.created_at.tzinfo else row.created_at.replace(tzinfo=UTC)
                 await self._stripe.send_meter_event(customer_id=customer_id, identifier=row.request_id,
-                                                    timestamp=int(created.timestamp()))
+                                                    timestamp=int(row.created_at.timestamp()))
                 values = {"status": OutboxStatus.SENT.value, "sent_at": now, "attempts": row.attempts + 1}
             except BillingError as exc:
                 attempts = row.attempts + 1

@@ -51,8 +51,7 @@ class AccountTerms:
 def effective_plan_name(account: Account, now: datetime) -> str:
     """A trial that has ended falls back to the free plan."""
     if account.trial_ends_at is not None:
-        ends = account.trial_ends_at if account.trial_ends_at.tzinfo else account.trial_ends_at.replace(tzinfo=UTC)
-        if account.plan == "trial" and now >= ends:
+        if account.plan == "trial" and now >= account.trial_ends_at:
             return FALLBACK_PLAN
     return account.plan
 

@@ -25,11 +25,6 @@ class Caller:
     account: Account
 
 
-def _utc(moment: datetime) -> datetime:
-    """SQLite keeps no zone; Flatfare stores UTC."""
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
-
-
 def _unauthorized(message: str) -> APIError:
     return APIError(401, message, code="invalid_api_key")
 
@@ -76,13 +71,13 @@ class Authenticator:
             if api_key.revoked_at is not None:
                 return _unauthorized("This API key has been revoked.")
             now = datetime.now(UTC)
-            if api_key.expires_at is not None and now >= _utc(api_key.expires_at):
+            if api_key.expires_at is not None and now >= api_key.expires_at:
                 return _unauthorized("This API key was rotated and its grace period has ended; use the new key.")
             if account.status != AccountStatus.ACTIVE:
                 return APIError(403, f"The account '{account.name}' is {account.status.replace('_', ' ')}; "
                                 "contact the platform's administrators.", code="account_inactive")
             last = api_key.last_used_at
-            if last is None or now - _utc(last) > _LAST_USED_RESOLUTION:
+            if last is None or now - last > _LAST_USED_RESOLUTION:
                 await session.execute(update(ApiKey).where(ApiKey.id == api_key.id).values(last_used_at=now))
                 await session.commit()
             session.expunge(account)

@@ -236,7 +236,6 @@ async def platform_snapshot(state: Any) -> PlatformSnapshot:
         snapshot.outbox_pending = int(pending or 0)
         snapshot.outbox_oldest_age_s = 0.0
         if oldest is not None:
-            oldest = oldest if oldest.tzinfo else oldest.replace(tzinfo=UTC)
             snapshot.outbox_oldest_age_s = max((datetime.now(UTC) - oldest).total_seconds(), 0.0)
         snapshot.up["database"] = True
     except (SQLAlchemyError, OSError) as exc:

@@ -4,7 +4,7 @@ without HTTP, Redis or a database; each raises the client's :class:`~gateway.err
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import orjson
@@ -88,5 +88,4 @@ def idempotency_key_of(headers: dict[str, str]) -> str | None:
 
 
 def expired(record: RequestRecord, now: datetime) -> bool:
-    created = record.created_at if record.created_at.tzinfo else record.created_at.replace(tzinfo=UTC)
-    return (now - created).total_seconds() > IDEMPOTENCY_WINDOW_S
+    return (now - record.created_at).total_seconds() > IDEMPOTENCY_WINDOW_S

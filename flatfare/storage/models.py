@@ -2,16 +2,37 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import JSON, BigInteger, Boolean, DateTime, ForeignKey, Index, Integer, String, UniqueConstraint, func
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
 
 from flatfare.contract import Lane
 
 __all__ = ["Lane"]  # plans name their lane with the contract's enum
+
+
+def as_utc(moment: datetime) -> datetime:
+    """The moment in UTC. A naive one is UTC already: Flatfare stores UTC, and SQLite keeps no zone."""
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timestamp column, written in UTC and read back as an aware UTC datetime on every database
+    (SQLite's DATETIME keeps no zone), so no reader has to normalise it."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        return None if value is None else as_utc(value)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        return None if value is None else as_utc(value)
 
 
 class Base(DeclarativeBase):
@@ -58,8 +79,8 @@ class Account(Base):
     name: Mapped[str] = mapped_column(String(128), unique=True)
     plan: Mapped[str] = mapped_column(ForeignKey("plans.name"))
     status: Mapped[str] = mapped_column(String(16), default=AccountStatus.ACTIVE.value)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
-    trial_ends_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), server_default=func.now())
+    trial_ends_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     stripe_customer_id: Mapped[str | None] = mapped_column(String(64), unique=True)
     daily_limit_override: Mapped[int | None] = mapped_column(Integer)
     unlimited: Mapped[bool] = mapped_column(Boolean, default=False)
@@ -79,11 +100,11 @@ class ApiKey(Base):
     name: Mapped[str] = mapped_column(String(128), default="")
     prefix: Mapped[str] = mapped_column(String(16))
     key_hash: Mapped[str] = mapped_column(String(64), unique=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
-    last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), server_default=func.now())
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     # Set on the old key when it is rotated: it keeps working until then.
-    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
 
 class CatalogModel(Base):
@@ -98,7 +119,7 @@ class CatalogModel(Base):
     enabled: Mapped[bool] = mapped_column(Boolean, default=True)
     pinned: Mapped[bool] = mapped_column(Boolean, default=False)
     min_workers: Mapped[int] = mapped_column(Integer, default=0)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), server_default=func.now())
     # Plans that may use the model; None means every plan whose own list allows it.
     plans: Mapped[list[str] | None] = mapped_column(JSON)
 
@@ -115,8 +136,8 @@ class RequestRecord(Base):
     endpoint: Mapped[str] = mapped_column(String(32))
     stream: Mapped[bool] = mapped_column(Boolean, default=False)
     status: Mapped[str] = mapped_column(String(16), default=RequestStatus.QUEUED.value)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     queue_ms: Mapped[int | None] = mapped_column(Integer)
     ttft_ms: Mapped[int | None] = mapped_column(Integer)
     duration_ms: Mapped[int | None] = mapped_column(Integer)
@@ -152,11 +173,11 @@ class UsageOutbox(Base):
     request_id: Mapped[str] = mapped_column(ForeignKey("requests.id"), primary_key=True)
     account_id: Mapped[int] = mapped_column(ForeignKey("accounts.id"), index=True)
     day: Mapped[str] = mapped_column(String(10), index=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     status: Mapped[str] = mapped_column(String(16), default=OutboxStatus.PENDING.value, index=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
-    next_attempt_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    sent_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    next_attempt_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    sent_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     last_error: Mapped[str | None] = mapped_column(String(512))
 
 
@@ -168,7 +189,7 @@ class StripeEvent(Base):
     id: Mapped[str] = mapped_column(String(255), primary_key=True)
     type: Mapped[str] = mapped_column(String(128))
     created: Mapped[int] = mapped_column(BigInteger)
-    received_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    received_at: Mapped[datetime] = mapped_column(UTCDateTime())
     outcome: Mapped[str] = mapped_column(String(64))
 
 
@@ -182,10 +203,10 @@ class AdminToken(Base):
     prefix: Mapped[str] = mapped_column(String(16))
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     scopes: Mapped[list[str]] = mapped_column(JSON)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), server_default=func.now())
     created_by: Mapped[int | None] = mapped_column(ForeignKey("admin_tokens.id"))
-    last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
 
 class AuditEntry(Base):
@@ -194,7 +215,7 @@ class AuditEntry(Base):
     __tablename__ = "audit_log"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
     actor_id: Mapped[int | None] = mapped_column(ForeignKey("admin_tokens.id"))
     actor: Mapped[str] = mapped_column(String(128))
     action: Mapped[str] = mapped_column(String(64), index=True)

@@ -156,7 +156,7 @@ async def rotate_key(request: Request, key_id: RowId, body: KeyRotate, admin: Ad
             raise APIError(409, "A revoked key cannot be rotated; create a new one.", code="key_revoked")
         before = snapshot(old)
         grace_ends = datetime.now(UTC) + timedelta(seconds=body.grace_seconds)
-        if old.expires_at is None or grace_ends < old.expires_at.replace(tzinfo=old.expires_at.tzinfo or UTC):
+        if old.expires_at is None or grace_ends < old.expires_at:
             old.expires_at = grace_ends
         account = await session.get(Account, old.account_id)
         issued = await issue_key(session, account, body.name if body.name is not None else old.name)

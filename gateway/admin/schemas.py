@@ -3,13 +3,13 @@ caller's to set (ids, hashes, audit fields, Stripe state) can be applied: it is 
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
-from flatfare.storage.models import Lane
+from flatfare.storage.models import Lane, as_utc
 
 Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9._-]*$")]
 ModelName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$")]
@@ -20,13 +20,9 @@ _INT = Annotated[int, Field(ge=0, le=2**31 - 1)]
 _BIGINT = Annotated[int, Field(ge=0, le=2**63 - 1)]
 
 
-def _utc(moment: datetime) -> datetime:
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
-
-
-# SQLite keeps no zone and Flatfare stores UTC: every timestamp leaves with its offset, as the
-# schema's date-time format (RFC 3339) requires.
-Timestamp = Annotated[datetime, AfterValidator(_utc)]
+# Every timestamp leaves with its offset, as the schema's date-time format (RFC 3339) requires, and
+# one a client sends without a zone is taken as UTC.
+Timestamp = Annotated[datetime, AfterValidator(as_utc)]
 
 
 class _In(BaseModel):
