@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Self
 
+import psutil
+
 SUBNET = ipaddress.ip_network("192.0.2.0/24")
 FIRST_HOST_ADDRESS = 10  # hosts get 192.0.2.10, .11, ... (skipping the root namespace's own)
 _PREFIX = "ff"
@@ -63,16 +65,6 @@ def _namespaces() -> list[str]:
     return [line.split()[0] for line in _ip("netns", "list").splitlines() if line.strip()]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_namespace(name: str) -> None:
     """Kill what still runs in ``name`` (processes a run started there), then delete it."""
     with contextlib.suppress(NetworkError):
@@ -92,7 +84,7 @@ def remove_stale() -> list[str]:
     removed = []
     for name in _namespaces():
         match = _OURS.match(name)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and not psutil.pid_exists(int(match.group(1))):
             _remove_namespace(name)
             removed.append(name)
     return removed

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+import psutil
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -316,18 +317,8 @@ def forget_dead_processes(path: str) -> None:
     """Drop the live gauges of gateway processes that died (a crashed process uvicorn replaced)."""
     for name in glob.glob(os.path.join(path, "gauge_live*.db")):
         match = _LIVE_GAUGE_FILE.search(name)
-        if match and not _alive(int(match.group(1))):
+        if match and not psutil.pid_exists(int(match.group(1))):
             multiprocess.mark_process_dead(int(match.group(1)), path)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def exposition(metrics: GatewayMetrics, snapshot: PlatformSnapshot) -> bytes:
