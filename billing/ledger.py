@@ -342,7 +342,15 @@ def _write_batch(db: _Statements, batch: list[_Write]) -> None:
 def _unreachable(exc: BaseException) -> bool:
     """The database is away (down, restarting, locked), as opposed to refusing this write."""
     return (isinstance(exc, (OperationalError, InterfaceError, OSError))
-            or bool(getattr(exc, "connection_invalidated", False)))
+            or bool(getattr(exc, "connection_invalidated", False))
+            or _away(getattr(getattr(exc, "orig", None), "sqlstate", None)))
+
+
+def _away(sqlstate: str | None) -> bool:
+    """PostgreSQL's codes for a server that is not there for anyone: class 08 (connection exception)
+    and 57P01-57P03 (admin shutdown, crash shutdown, cannot connect now: "the database system is
+    shutting down"), which asyncpg raises as plain errors, not as connection failures."""
+    return bool(sqlstate) and (sqlstate.startswith("08") or sqlstate in ("57P01", "57P02", "57P03"))
 
 
 def _retrieve(done: asyncio.Future[None]) -> None:

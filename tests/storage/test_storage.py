@@ -170,6 +170,34 @@ async def test_a_database_lost_in_the_middle_of_a_batch_leaves_no_write_waiting(
     assert set(rows) == {"closing"} and rows["closing"].status == "succeeded"
 
 
+class _ShuttingDown(Exception):
+    """What asyncpg raises while PostgreSQL shuts down or starts (a plain error, not a lost connection)."""
+
+    sqlstate = "57P03"
+
+
+async def test_a_close_waits_while_the_database_is_shutting_down(sessions) -> None:
+    """"The database system is shutting down" is the database being away, not the write being wrong:
+    the close waits and lands (it used to fail, leaving the row open and its unit held)."""
+    issued = await _issued_key(sessions)
+    ledger = Ledger(sessions)
+    await ledger.open(request_id="r", account_id=issued.account_id, api_key_id=issued.key_id, model="m",
+                      endpoint="chat", stream=False, created_at=datetime.now(UTC))
+    real_commit = ledger._commit
+    failures = [DBAPIError("UPDATE", None, _ShuttingDown("the database system is shutting down"))]
+
+    async def commit(batch) -> None:
+        if failures:
+            raise failures.pop(0)
+        await real_commit(batch)
+
+    ledger._commit = commit  # type: ignore[method-assign]
+    async with asyncio.timeout(10):
+        await ledger.close("r", Outcome(RequestStatus.SUCCEEDED, 200, completion_tokens=3))
+    async with sessions() as session:
+        assert (await session.get(RequestRecord, "r")).status == "succeeded"
+
+
 def test_downgrade_and_upgrade_again(database_url: str) -> None:
     command.downgrade(alembic_config(database_url), "base")
     migrate(database_url)
