@@ -139,6 +139,7 @@ class ReplyRouter:
         self.lost_after_s = lost_after_s
         # The quota counters' generation last seen ("": none, Redis lost its data); None: not yet read.
         self.generation: str | None = None
+        self._changes = 0  # how often it changed: a read sent before a change is stale
         self._watched: dict[int, Inbox] = {}
         self._task: asyncio.Task[None] | None = None
 
@@ -209,6 +210,7 @@ class ReplyRouter:
         if generation == self.generation:
             return
         self.generation = generation
+        self._changes += 1
         now = self._clock()
         watching = 0
         for inbox in [*self._inboxes.values(), *self._followed.values()]:
@@ -275,6 +277,7 @@ class ReplyRouter:
             trim = last != "0-0" and (unread_trimmed >= _TRIM_EVERY or now >= renew_at)
             renew = now >= renew_at
             check = now >= check_at
+            changes = self._changes
             try:
                 async with asyncio.timeout(SOCKET_TIMEOUT_S):
                     if trim or renew or check:
@@ -283,11 +286,11 @@ class ReplyRouter:
                                 pipe.xtrim(self.stream, minid=last, approximate=False)
                             if renew:
                                 pipe.expire(self.stream, contract.REPLY_TTL_S)
-                            if check:
-                                pipe.get(EPOCH_KEY)
                             pipe.xread({self.stream: last}, count=_READ_COUNT, block=_BLOCK_MS)
+                            if check:  # after the blocking read, so that it is fresh when it comes
+                                pipe.get(EPOCH_KEY)
                             results = await pipe.execute()
-                        result = results[-1]
+                        result = results[-2] if check else results[-1]
                     else:  # one command: at one request in flight, a read per reply
                         result = await self._reader.xread({self.stream: last}, count=_READ_COUNT, block=_BLOCK_MS)
             except asyncio.CancelledError:
@@ -315,8 +318,9 @@ class ReplyRouter:
                             inbox.push(reply)
             if check:
                 check_at = now + _CHECK_EVERY_S
-                generation = results[-2]
-                self._saw(generation.decode() if generation else "")
+                generation = results[-1]
+                if self._changes == changes:  # else an admission saw a newer one meanwhile
+                    self._saw(generation.decode() if generation else "")
                 if self._watched:
                     try:
                         await self._look()

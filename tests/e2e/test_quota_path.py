@@ -13,6 +13,7 @@ import openai
 import pytest
 import redis as redis_sync
 
+from billing.ledger import RETRY_S
 from billing.plans import quota_window
 from billing.quota import counter_key
 from flatfare import contract
@@ -180,6 +181,8 @@ def test_a_ledger_that_cannot_record_the_request_answers_503_and_charges_nothing
         qstack.sql("ALTER TABLE requests_away RENAME TO requests")
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "ledger_unavailable"
     assert _counter(qstack, account_id) == 0
+    # A process whose write just failed refuses requests for RETRY_S before counting them.
+    time.sleep(RETRY_S)
     assert _post(qstack, key, {"model": MODEL, "messages": MESSAGES}).status_code == 200
     _wait_closed(qstack, account_id)
     assert _counter(qstack, account_id) == 1
