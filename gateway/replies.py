@@ -133,8 +133,7 @@ class ReplyRouter:
         self.gateway_id = gateway_id or uuid.uuid4().hex[:16]
         self.stream = contract.gateway_replies(self.gateway_id)
         self._inboxes: dict[str, Inbox] = {}
-        self._pumps: dict[int, asyncio.Task[None]] = {}  # id(inbox) -> its pump
-        self._followed: dict[int, Inbox] = {}  # id(inbox) -> the inbox a pump feeds
+        self._pumps: dict[int, tuple[Inbox, asyncio.Task[None]]] = {}  # id(inbox) -> it and its pump
         self._clock = clock
         self.lost_after_s = lost_after_s
         # The quota counters' generation last seen ("": none, Redis lost its data); None: not yet read.
@@ -149,11 +148,10 @@ class ReplyRouter:
         self._task = asyncio.create_task(self._read_loop(), name="reply-router")
 
     async def stop(self) -> None:
-        for task in [self._task, *self._pumps.values()]:
-            if task is not None:
-                task.cancel()
-        await asyncio.gather(*(t for t in [self._task, *self._pumps.values()] if t is not None),
-                             return_exceptions=True)
+        tasks = [t for t in [self._task, *(pump for _, pump in self._pumps.values())] if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         with contextlib.suppress(RedisError, OSError):
             await self._redis.delete(self.stream)
         await self._reader.aclose()
@@ -171,8 +169,7 @@ class ReplyRouter:
         inbox = Inbox(request_id)
         key = id(inbox)
         task = asyncio.create_task(self._pump(contract.reply_stream(request_id), inbox), name=f"replay-{request_id}")
-        self._pumps[key] = task
-        self._followed[key] = inbox
+        self._pumps[key] = (inbox, task)
         task.add_done_callback(lambda _t: self._pumps.pop(key, None))
         return inbox
 
@@ -189,10 +186,9 @@ class ReplyRouter:
         """The request is over: stop routing to its inbox."""
         key = id(inbox)
         self._watched.pop(key, None)
-        self._followed.pop(key, None)
         pump = self._pumps.pop(key, None)
         if pump is not None:
-            pump.cancel()
+            pump[1].cancel()
         elif self._inboxes.get(inbox.request_id) is inbox:
             del self._inboxes[inbox.request_id]
 
@@ -213,7 +209,7 @@ class ReplyRouter:
         self._changes += 1
         now = self._clock()
         watching = 0
-        for inbox in [*self._inboxes.values(), *self._followed.values()]:
+        for inbox in [*self._inboxes.values(), *(followed for followed, _ in self._pumps.values())]:
             if inbox.entry is not None and inbox.generation != generation and id(inbox) not in self._watched:
                 inbox.heard, inbox.quiet_since, inbox.missing = False, now, False
                 self._watched[id(inbox)] = inbox
@@ -253,7 +249,7 @@ class ReplyRouter:
     async def _lost(self, inbox: Inbox) -> None:
         log.warning("the job of %s was lost with Redis's data", inbox.request_id)
         reply = _job_lost()
-        if id(inbox) in self._followed:  # into its own stream: its pump and any replay read it there
+        if id(inbox) in self._pumps:  # into its own stream: its pump and any replay read it there
             key = contract.reply_stream(inbox.request_id)
             try:
                 async with self._redis.pipeline(transaction=False) as pipe:

@@ -93,9 +93,9 @@ class WorkerLoop:
         self.presence = presence or Presence(redis, info)
         self.metrics = metrics
         self.inflight: dict[str, asyncio.Task[None]] = {}
-        # request id -> (stream, entry id) of each job held, for acks, renewals and hand-backs.
-        self.entries: dict[str, tuple[str, bytes]] = {}
-        self.jobs: dict[str, Job] = {}
+        # request id -> (stream, entry id, job) of each job held, for acks, renewals, hand-backs and
+        # HELD replies.
+        self.entries: dict[str, tuple[str, bytes, Job]] = {}
         self._handed_back: set[str] = set()
         self._slot_freed = asyncio.Event()
         self._stopping = asyncio.Event()
@@ -149,7 +149,7 @@ class WorkerLoop:
         for request_id, task in list(self.inflight.items()):
             if task in pending:
                 self._handed_back.add(request_id)
-                stream, entry_id = self.entries[request_id]
+                stream, entry_id, _ = self.entries[request_id]
                 held.setdefault(stream, []).append(entry_id)
                 task.cancel()
         _, stuck = await asyncio.wait(pending, timeout=CANCEL_WAIT_S)
@@ -204,8 +204,7 @@ class WorkerLoop:
             return
         if self.metrics is not None:
             self.metrics.taken((batch.lane or job.lane).value, job.enqueued_ms)
-        self.entries[job.request_id] = (batch.stream, entry_id)
-        self.jobs[job.request_id] = job
+        self.entries[job.request_id] = (batch.stream, entry_id, job)
         task = asyncio.create_task(self._handle(batch.stream, entry_id, job, batch.reclaimed), name=job.request_id)
         self.inflight[job.request_id] = task
         task.add_done_callback(lambda _t, rid=job.request_id: self._finished(rid))
@@ -213,7 +212,6 @@ class WorkerLoop:
     def _finished(self, request_id: str) -> None:
         self.inflight.pop(request_id, None)
         self.entries.pop(request_id, None)
-        self.jobs.pop(request_id, None)
         self._handed_back.discard(request_id)
         self._slot_freed.set()
 
@@ -222,7 +220,7 @@ class WorkerLoop:
         while True:
             await asyncio.sleep(min(self.lease_ms / 3000, contract.HELD_EVERY_S) if orphans else self.lease_ms / 3000)
             held: dict[str, list[bytes]] = {}
-            for stream, entry_id in list(self.entries.values()):
+            for stream, entry_id, _ in list(self.entries.values()):
                 held.setdefault(stream, []).append(entry_id)
             if not held:
                 orphans = 0
@@ -237,9 +235,8 @@ class WorkerLoop:
         """Jobs whose queue entries Redis lost with its data run on here, but nothing in Redis says
         so any more: tell each one's gateway (a HELD reply), so it does not answer them as lost."""
         orphans = 0
-        for request_id, entry in list(self.entries.items()):
-            job = self.jobs.get(request_id)
-            if entry in lost and job is not None:
+        for stream, entry_id, job in list(self.entries.values()):
+            if (stream, entry_id) in lost:
                 self.replies.send(job, Reply(ReplyKind.HELD), first=True)
                 orphans += 1
         if orphans:
