@@ -241,6 +241,8 @@ class CompletionService:
             admitted = await self._queue.admit(job, pool.name, claim, routed)
         except BaseException as exc:
             self._router.close(inbox)
+            if not isinstance(exc, (QuotaSpent, APIError)):  # the script may have run before Redis went away
+                self._held.give_back_later(caller.account_id, window.day, admission.request_id, "")
             if idempotency_key:  # its row is open: close it, free
                 code, status = ((exc.code, exc.status) if isinstance(exc, APIError) else ("not_queued", 503))
                 await self._ledger.close(admission.request_id, Outcome(RequestStatus.FAILED, status, error_code=code,

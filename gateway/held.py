@@ -57,7 +57,10 @@ class HeldUnits:
         self._released.append(request_id)
 
     def give_back_later(self, account_id: int, day: str, request_id: str, generation: str) -> None:
-        """A give-back that failed (Redis unreachable): tried again with every pass until it is done."""
+        """A give-back that failed (Redis unreachable): tried again with every pass until it is done.
+        ``generation`` '': an admission whose answer was lost (Redis went away during the call), so
+        whether it counted, held and queued the request is unknown; its job is cancelled and its unit
+        given back if it is held."""
         self._owed.append((account_id, day, request_id, generation))
 
     def start(self) -> None:
@@ -91,6 +94,8 @@ class HeldUnits:
                 await self._flush()
                 while self._owed:
                     account_id, day, request_id, generation = self._owed[0]
+                    if not generation:
+                        await self._redis.set(contract.cancel_key(request_id), 1, ex=contract.CANCEL_TTL_S)
                     await self._quota.give_back(account_id, day, request_id, self.key, generation)
                     self._owed.pop(0)
                 if time.monotonic() >= reap_at:

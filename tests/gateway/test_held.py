@@ -3,6 +3,7 @@ it never recorded or never finished come back, charged ones stay, open rows clos
 
 from __future__ import annotations
 
+import asyncio
 import time
 from datetime import UTC, datetime
 
@@ -77,4 +78,32 @@ async def test_a_live_gateway_releases_charged_units_and_leaves_when_idle(redis,
     await held.stop()
     assert not await redis.exists(held.key)
     assert not await redis.zscore(contract.GATEWAYS_KEY, "me")
+    ledger.dispose()
+
+
+async def test_an_admission_whose_answer_was_lost_is_settled_once_redis_answers(redis, sessions) -> None:
+    """Redis ran the admission script, then went away before its answer reached the gateway, which
+    refused the request (503) and wrote no row: once Redis answers again, the unit comes back and
+    the job is cancelled. One that never ran is not given back anything."""
+    await redis.set(EPOCH_KEY, "g0")
+    ledger = Ledger(sessions)
+    quota = DailyQuota(redis, ledger.billable_counts)
+    window = quota_window("UTC", datetime.now(UTC))
+    held = HeldUnits(redis, "me", ledger, quota, dead_after_s=30)
+    queue = LaneQueue(redis, {lane: LaneLimits(100, 60.0) for lane in Lane}, quota, held.key)
+    claim = QuotaClaim(7, window.day, 100, expiry(window.resets_at))
+    await queue.admit(Job(request_id="ran", endpoint=Endpoint.CHAT, body="{}", enqueued_ms=0), "m", claim)
+    await queue.admit(Job(request_id="kept", endpoint=Endpoint.CHAT, body="{}", enqueued_ms=0), "m", claim)
+    held.give_back_later(7, window.day, "ran", "")
+    held.give_back_later(7, window.day, "never-ran", "")
+    held.start()
+    try:
+        deadline = time.monotonic() + 5
+        while await redis.hexists(held.key, "ran"):
+            assert time.monotonic() < deadline, "the unit of the admission whose answer was lost is still held"
+            await asyncio.sleep(0.05)
+    finally:
+        await held.stop()
+    assert int(await redis.get(counter_key(7, window.day))) == 1  # "kept"'s unit only
+    assert await redis.exists(contract.cancel_key("ran"))
     ledger.dispose()
