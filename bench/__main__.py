@@ -1,4 +1,4 @@
-"""``python -m bench overhead|engine|gpu|profile`` (also ``flatfare bench ...``)."""
+"""``python -m bench overhead|engine|gpu|profile``."""
 
 from __future__ import annotations
 

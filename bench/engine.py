@@ -84,14 +84,14 @@ def requests_for(concurrency: list[int], given: list[int] | None) -> dict[int, i
 
 def default_model_dir() -> Path:
     from flatfare.settings import CommonSettings
-    from workers.prepare import resolve_source
+    from flatfare.workers.prepare import resolve_source
 
     settings = CommonSettings()
     return Path(resolve_source(f"builtin:{DEFAULT_NAME}", settings.models_dir, lambda m: print(f"[engine] {m}")))
 
 
 def vllm_serve_argv(model_dir: Path, name: str, port: int, options: dict[str, Any]) -> list[str]:
-    from workers.engine import engine_argv  # builds `vllm serve` flags from options, as the worker does
+    from flatfare.workers.engine import engine_argv  # builds `vllm serve` flags from options, as the worker does
 
     flags = engine_argv(str(model_dir), name, {**WORKER_BASE_OPTIONS, **options})
     flags = flags[flags.index("--served-model-name"):]  # the model goes first, positionally

@@ -56,7 +56,7 @@ setup() {
   env_flatfare
   redis-server --version
   if command -v py-spy > /dev/null; then py-spy --version; else say "no py-spy: PYSPY runs record nothing"; fi
-  python3 -c 'import flatfare.cli, gateway.app, workers.main, workers.engine, bench.engine, sqlalchemy, redis, hiredis, async_lru, alembic, orjson, pydantic_settings; print("[gpu_device] flatfare imports ok")'
+  python3 -c 'import flatfare.cli.main, flatfare.gateway.app, flatfare.workers.main, flatfare.workers.engine, bench.engine, sqlalchemy, redis, hiredis, async_lru, alembic, orjson, pydantic_settings; print("[gpu_device] flatfare imports ok")'
 }
 
 run() {

@@ -14,7 +14,7 @@ import orjson
 from aiohttp import web
 
 from flatfare.contract import Endpoint
-from workers.instant import InstantEngine
+from flatfare.workers.instant import InstantEngine
 
 
 def create_app(tokens: int) -> web.Application:

@@ -1,6 +1,6 @@
 """Delivering the meter-event outbox to Stripe, and reconciling it with the ledger.
 
-Rows are written by :meth:`billing.ledger.Ledger.close` in the transaction that makes a request
+Rows are written by :meth:`flatfare.billing.ledger.Ledger.close` in the transaction that makes a request
 billable, so none is lost. Each is sent with ``identifier`` = the request id, which Stripe
 de-duplicates, so a row sent twice (a crash between sending and marking) is still billed once.
 Failures back off exponentially; a row never disappears until it is sent (or skipped because the
@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from billing.stripe_client import BillingError, StripeGateway
+from flatfare.billing.stripe_client import BillingError, StripeGateway
 from flatfare.storage.models import Account, OutboxStatus, RequestRecord, UsageOutbox
 
 log = logging.getLogger("flatfare.billing")

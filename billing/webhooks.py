@@ -15,7 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from billing.plans import FALLBACK_PLAN
+from flatfare.billing.plans import FALLBACK_PLAN
 from flatfare.storage.models import Account, AccountStatus, StripeEvent
 
 log = logging.getLogger("flatfare.billing")

@@ -1,4 +1,4 @@
-from flatfare.cli import main
+from flatfare.cli.main import main
 
 if __name__ == "__main__":
     main()

@@ -12,30 +12,31 @@ from flatfare.contract import Lane
 from flatfare.redis_conn import connect
 from fastapi import FastAPI
 
-from billing.ledger import Ledger
-from billing.outbox import OutboxSender
-from billing.stripe_client import StripeGateway
-from billing.webhooks import WebhookProcessor
+from flatfare.billing.ledger import Ledger
+from flatfare.billing.outbox import OutboxSender
+from flatfare.billing.stripe_client import StripeGateway
+from flatfare.billing.webhooks import WebhookProcessor
 from flatfare.storage.accounts import AccountStore
-from billing.quota import DailyQuota
+from flatfare.billing.quota import DailyQuota
 from flatfare.storage.db import create_engine, session_factory
-from gateway import admin, billing_routes, health, routes, usage
-from gateway.admin.auth import AdminAuthenticator
-from gateway.auth import Authenticator
-from gateway.completions import CompletionService
-from gateway.errors import install_handlers
-from gateway.held import HeldUnits
-from gateway.metrics import GatewayMetrics, RequestObserver
-from gateway.metrics import router as metrics_router
-from gateway.openai_asgi import CompletionRoutes
-from gateway.affinity import PrefixRouter
-from gateway.plans import PlanBook
-from gateway.queueing import LaneLimits, LaneQueue
-from gateway.pools import Pools
-from gateway.ratelimit import RateLimitHeaders
-from gateway.replies import Replies, ReplyRouter
-from gateway.safety import RequestScreen
-from gateway.settings import GatewaySettings
+from flatfare.gateway import admin, billing_routes, health, usage
+from flatfare.gateway.openai import routes
+from flatfare.gateway.admin.auth import AdminAuthenticator
+from flatfare.gateway.auth import Authenticator
+from flatfare.gateway.openai.service import CompletionService
+from flatfare.gateway.errors import install_handlers
+from flatfare.billing.held import HeldUnits
+from flatfare.gateway.metrics import GatewayMetrics, RequestObserver
+from flatfare.gateway.metrics import router as metrics_router
+from flatfare.gateway.openai.asgi import CompletionRoutes
+from flatfare.gateway.prefix_routing import PrefixRouter
+from flatfare.gateway.plans import PlanBook
+from flatfare.gateway.queueing import LaneLimits, LaneQueue
+from flatfare.gateway.pools import Pools
+from flatfare.gateway.quota_headers import RateLimitHeaders
+from flatfare.gateway.replies import Replies, ReplyRouter
+from flatfare.gateway.openai.screen import RequestScreen
+from flatfare.gateway.settings import GatewaySettings
 
 
 def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:

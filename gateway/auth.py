@@ -11,7 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from flatfare.storage.keys import hash_key, hashes_match, looks_like_key
 from flatfare.storage.models import Account, AccountStatus, ApiKey
-from gateway.errors import APIError
+from flatfare.gateway.errors import APIError
 
 _LAST_USED_RESOLUTION = timedelta(minutes=1)
 

@@ -8,10 +8,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Request
 from pydantic import BaseModel, ConfigDict
 
-from billing.stripe_client import BillingError, InvalidWebhook, StripeGateway
-from gateway.deps import CurrentCaller, RawBody
-from gateway.errors import ERROR_RESPONSES, APIError
-from gateway.settings import GatewaySettings
+from flatfare.billing.stripe_client import BillingError, InvalidWebhook, StripeGateway
+from flatfare.gateway.deps import CurrentCaller, RawBody
+from flatfare.gateway.errors import ERROR_RESPONSES, APIError
+from flatfare.gateway.settings import GatewaySettings
 
 log = logging.getLogger("flatfare.billing")
 router = APIRouter(tags=["billing"], responses=ERROR_RESPONSES)

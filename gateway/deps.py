@@ -6,9 +6,9 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
-from gateway.auth import Authenticator, Caller
-from gateway.openai_asgi import read_body
-from gateway.pools import Pools
+from flatfare.gateway.auth import Authenticator, Caller
+from flatfare.gateway.openai.asgi import read_body
+from flatfare.gateway.pools import Pools
 
 
 async def _caller(request: Request, authorization: Annotated[str | None, Header()] = None) -> Caller:

@@ -8,7 +8,7 @@ from async_lru import alru_cache
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from billing.plans import AccountTerms, PlanRules, account_terms
+from flatfare.billing.plans import AccountTerms, PlanRules, account_terms
 from flatfare.storage.models import Account, Plan
 
 

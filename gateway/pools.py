@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from flatfare import contract
 from flatfare.contract import WorkerInfo, WorkerState
 from flatfare.storage.models import CatalogModel
-from gateway.errors import APIError
+from flatfare.gateway.errors import APIError
 
 # Pools whose live workers are remembered at once (clients name models, so this is bounded).
 MAX_POOLS = 1024

@@ -3,7 +3,7 @@ bound, and its Retry-After comes from how fast the lane has been draining. A lan
 becomes a depth bound at its recent drain rate, so both bounds are one atomic check-and-add.
 
 Admission is one round trip: :meth:`LaneQueue.admit` runs one script that checks and counts the
-account's daily quota (billing.quota's Lua, unchanged), checks the lane's depth and adds the job.
+account's daily quota (flatfare.billing.quota's Lua, unchanged), checks the lane's depth and adds the job.
 A refusal of either kind leaves nothing behind: no unit counted, no job."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
-from billing.quota import EPOCH_KEY, QUOTA_CHECK, QUOTA_COUNT, REBUILT, DailyQuota, QuotaUnavailable, counter_key
+from flatfare.billing.quota import EPOCH_KEY, QUOTA_CHECK, QUOTA_COUNT, REBUILT, DailyQuota, QuotaUnavailable, counter_key
 from flatfare import contract
 from flatfare.contract import Job, Lane
-from gateway.errors import APIError
+from flatfare.gateway.errors import APIError
 
 # Queued = entries not yet delivered to any worker: the stream's length minus the pending ones
 # (delivered, not yet acknowledged; acknowledged entries are deleted). Checked and added atomically.
@@ -162,7 +162,7 @@ class LaneQueue:
         """Count the request against its quota, hold the unit, and queue its job, in one script.
 
         Raises :class:`QuotaSpent` (nothing counted), 429 ``queue_full`` (nothing counted),
-        :class:`~billing.quota.QuotaUnavailable` when Redis is unreachable or the counters cannot be
+        :class:`~flatfare.billing.quota.QuotaUnavailable` when Redis is unreachable or the counters cannot be
         rebuilt."""
         max_depth, rate = await self._bound(job.lane, pool)
         target = stream or contract.job_stream(pool, job.lane)

@@ -6,7 +6,7 @@ reads it with one blocking XREAD and hands each entry to the :class:`Inbox` of i
 process holding a thousand requests makes one read per batch of replies, not one blocking read per
 request. Idempotent requests (and their replays) use the request's own stream, kept 24 h; a small
 pump task per such request feeds its inbox the same way. (Jobs are put on their lanes by
-:mod:`gateway.queueing`.)
+:mod:`flatfare.gateway.queueing`.)
 
 A Redis that lost its data lost the jobs still queued in it. The reader notices (the quota
 counters' generation, read every second and returned by each admission, changed) and from then on
@@ -29,11 +29,11 @@ from redis.exceptions import RedisError
 
 import orjson
 
-from billing.quota import EPOCH_KEY
+from flatfare.billing.quota import EPOCH_KEY
 from flatfare import contract
 from flatfare.contract import Reply, ReplyKind
 from flatfare.redis_conn import SOCKET_TIMEOUT_S, without_read_timeouts
-from gateway.errors import APIError, error_body
+from flatfare.gateway.errors import APIError, error_body
 
 log = logging.getLogger("flatfare.gateway")
 

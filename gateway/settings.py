@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, SecretStr
 
-from billing.stripe_client import StripeConfig
+from flatfare.billing.stripe_client import StripeConfig
 from flatfare.settings import CommonSettings
 
 

@@ -7,11 +7,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from billing.ledger import daily_usage
-from billing.plans import quota_window
-from billing.quota import QuotaUnavailable
-from gateway.deps import CurrentCaller
-from gateway.errors import ERROR_RESPONSES, APIError
+from flatfare.billing.ledger import daily_usage
+from flatfare.billing.plans import quota_window
+from flatfare.billing.quota import QuotaUnavailable
+from flatfare.gateway.deps import CurrentCaller
+from flatfare.gateway.errors import ERROR_RESPONSES, APIError
 
 router = APIRouter(prefix="/v1", tags=["account"], responses=ERROR_RESPONSES)
 HISTORY_DAYS = 30

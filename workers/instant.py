@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from flatfare.contract import Endpoint
-from workers.engine import EngineResult
+from flatfare.workers.engine import EngineResult
 
 FILLER = " token"
 

@@ -3,7 +3,7 @@
 Many jobs run at once (up to the engine's batch capacity) so vLLM's continuous batching has work;
 each job's chunks go to its reply stream as the engine yields them. A job is acknowledged only once
 its terminal reply is written (or its client is gone); until then its lease is renewed, and jobs of
-workers that died are taken over (see :mod:`workers.claims`).
+workers that died are taken over (see :mod:`flatfare.workers.claims`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from redis.exceptions import ResponseError
 from flatfare import contract
 from flatfare.contract import Endpoint, Job, Reply, ReplyKind, Usage, WorkerInfo, WorkerState
 from flatfare.logs import bind, prompts_enabled
-from workers.claims import Claimed, Claimer
-from workers.metrics import WorkerMetrics
-from workers.presence import RETRY_S, Presence, listen_for_cancels, now_ms
+from flatfare.workers.claims import Claimed, Claimer
+from flatfare.workers.metrics import WorkerMetrics
+from flatfare.workers.presence import RETRY_S, Presence, listen_for_cancels, now_ms
 from flatfare.redis_conn import without_read_timeouts
-from workers.replies import BatchedGet, ReplyWriter
+from flatfare.workers.replies import BatchedGet, ReplyWriter
 
 log = logging.getLogger("flatfare.worker")
 
@@ -48,7 +48,7 @@ class EngineLike(Protocol):
 
 PREFIX_TTL_S = 300
 # A job claimed this soon after it was queued cannot have been cancelled yet: a gateway starts
-# watching for its client only after 50 ms without a reply (gateway.completions.WATCH_AFTER_S). Such
+# watching for its client only after 50 ms without a reply (flatfare.gateway.openai.service.WATCH_AFTER_S). Such
 # jobs skip the cancellation check, a round trip on the path of every fast request.
 FRESH_JOB_MS = 20
 # How long the drain waits for the jobs it cancelled to end before it hands them back regardless.

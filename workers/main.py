@@ -18,13 +18,13 @@ from flatfare.logs import configure_logging, dict_config
 from flatfare.redis_conn import connect
 from flatfare.storage.db import create_engine, session_factory
 from flatfare.storage.models import CatalogModel
-from workers.engine import Engine, EngineError, check_gpus, engine_argv
-from workers.instant import InstantEngine
-from workers.loop import EngineLike, WorkerLoop
-from workers.presence import Presence, now_ms
-from workers.metrics import WorkerMetrics
-from workers.prepare import resolve_source
-from workers.settings import WorkerSettings
+from flatfare.workers.engine import Engine, EngineError, check_gpus, engine_argv
+from flatfare.workers.instant import InstantEngine
+from flatfare.workers.loop import EngineLike, WorkerLoop
+from flatfare.workers.presence import Presence, now_ms
+from flatfare.workers.metrics import WorkerMetrics
+from flatfare.workers.prepare import resolve_source
+from flatfare.workers.settings import WorkerSettings
 
 log = logging.getLogger("flatfare.worker")
 

@@ -27,7 +27,7 @@ COPY --from=wheel /wheels /wheels
 RUN wheel=$(echo /wheels/flatfare-*.whl) \
     && python3 -m pip install "${wheel}[gpu]" \
     && rm -rf /wheels \
-    && python3 -c "import vllm, flatfare.cli; print('vLLM', vllm.__version__)"
+    && python3 -c "import vllm, flatfare.cli.main; print('vLLM', vllm.__version__)"
 
 # Models (and the Hugging Face cache) in a volume, so a restart does not download them again.
 ENV FLATFARE_DATA_DIR=/data \

@@ -2,8 +2,8 @@
 
 from fastapi import APIRouter
 
-from gateway.admin import accounts, catalog, reports
-from gateway.errors import ERROR_RESPONSES
+from flatfare.gateway.admin import accounts, catalog, reports
+from flatfare.gateway.errors import ERROR_RESPONSES
 
 router = APIRouter(prefix="/admin/v1", tags=["admin"], responses=ERROR_RESPONSES)
 router.include_router(catalog.router)

@@ -10,9 +10,9 @@ from sqlalchemy import select
 
 from flatfare.storage.accounts import AccountError, ensure_account, issue_key
 from flatfare.storage.models import Account, ApiKey, Plan
-from gateway.admin.audit import IdFilter, RowId, not_found, page, record, snapshot
-from gateway.admin.auth import AdminReader, AdminWriter
-from gateway.admin.schemas import (
+from flatfare.gateway.admin.audit import IdFilter, RowId, not_found, page, record, snapshot
+from flatfare.gateway.admin.auth import AdminReader, AdminWriter
+from flatfare.gateway.admin.schemas import (
     AccountCreate,
     AccountPublic,
     AccountUpdate,
@@ -22,7 +22,7 @@ from gateway.admin.schemas import (
     KeyRotate,
     Page,
 )
-from gateway.errors import APIError
+from flatfare.gateway.errors import APIError
 
 router = APIRouter()
 Limit = Annotated[int, Query(ge=1, le=200)]

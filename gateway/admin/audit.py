@@ -10,8 +10,8 @@ from sqlalchemy import inspect
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from flatfare.storage.models import AuditEntry, Base
-from gateway.admin.auth import Admin
-from gateway.errors import APIError
+from flatfare.gateway.admin.auth import Admin
+from flatfare.gateway.errors import APIError
 
 # Never copied into the audit log.
 _SECRET_COLUMNS = {"key_hash", "token_hash"}

@@ -13,8 +13,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from flatfare.storage.keys import ADMIN_PREFIX, KEY_PREFIX, hash_key, hashes_match, looks_like_key
 from flatfare.storage.models import AdminToken
-from gateway.auth import CACHE_SIZE, by_hash
-from gateway.errors import APIError
+from flatfare.gateway.auth import CACHE_SIZE, by_hash
+from flatfare.gateway.errors import APIError
 
 
 class Scope(StrEnum):

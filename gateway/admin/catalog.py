@@ -10,9 +10,9 @@ from fastapi import APIRouter, Query, Request, Response
 from sqlalchemy import func, select
 
 from flatfare.storage.models import Account, CatalogModel, Plan
-from gateway.admin.audit import not_found, page, record, snapshot
-from gateway.admin.auth import AdminReader, AdminWriter
-from gateway.admin.schemas import (
+from flatfare.gateway.admin.audit import not_found, page, record, snapshot
+from flatfare.gateway.admin.auth import AdminReader, AdminWriter
+from flatfare.gateway.admin.schemas import (
     EngineOptions,
     ModelCreate,
     ModelPublic,
@@ -22,7 +22,7 @@ from gateway.admin.schemas import (
     PlanPublic,
     PlanUpdate,
 )
-from gateway.errors import APIError
+from flatfare.gateway.errors import APIError
 
 router = APIRouter()
 Limit = Annotated[int, Query(ge=1, le=200)]

@@ -13,10 +13,10 @@ from sqlalchemy import func, select
 
 from flatfare.storage.accounts import issue_admin_token
 from flatfare.storage.models import AdminToken, AuditEntry, RequestRecord
-from gateway.admin.audit import IdFilter, RowId, not_found, page, record, snapshot
-from gateway.admin.auth import AdminReader, AdminWriter
-from gateway.admin.schemas import AuditPublic, Page, TokenCreate, TokenCreated, TokenPublic
-from gateway.errors import APIError
+from flatfare.gateway.admin.audit import IdFilter, RowId, not_found, page, record, snapshot
+from flatfare.gateway.admin.auth import AdminReader, AdminWriter
+from flatfare.gateway.admin.schemas import AuditPublic, Page, TokenCreate, TokenCreated, TokenPublic
+from flatfare.gateway.errors import APIError
 
 router = APIRouter()
 Limit = Annotated[int, Query(ge=1, le=200)]

@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from billing.plans import PlanRules, account_terms, effective_plan_name, openai_duration, quota_window
+from flatfare.billing.plans import PlanRules, account_terms, effective_plan_name, openai_duration, quota_window
 from flatfare.storage.models import Account, Lane
 
 

@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from billing.plans import quota_window
-from billing.quota import EPOCH_KEY, DailyQuota, QuotaUnavailable, counter_key
+from flatfare.billing.plans import quota_window
+from flatfare.billing.quota import EPOCH_KEY, DailyQuota, QuotaUnavailable, counter_key
 from flatfare.redis_conn import connect
 
 

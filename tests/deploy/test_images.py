@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import typer
 
-from flatfare.cli import app
+from flatfare.cli.main import app
 from tests.deploy.files import (
     DEPLOY,
     DOCKERFILES,

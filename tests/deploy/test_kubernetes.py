@@ -10,8 +10,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from gateway.metrics import lane_streams
-from gateway.settings import GatewaySettings
+from flatfare.gateway.metrics import lane_streams
+from flatfare.gateway.settings import GatewaySettings
 from tests.deploy.files import K8S, REPO, compose, k8s_documents, load_yaml
 
 KUBERNETES_VERSION = "1.30.0"  # the oldest release still in common support; newer ones accept these too

@@ -15,10 +15,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from flatfare.contract import Reply, ReplyKind, Usage
-from gateway.metrics import GatewayMetrics, PlatformSnapshot, PoolState, QueueDepth, SnapshotCollector
+from flatfare.gateway.metrics import GatewayMetrics, PlatformSnapshot, PoolState, QueueDepth, SnapshotCollector
 from tests.deploy.files import (DEPLOY, RULES_FILE, all_queries, dashboard, dashboard_queries, grouping_labels,
                                 load_yaml, rules, selectors)
-from workers.metrics import WorkerMetrics
+from flatfare.workers.metrics import WorkerMetrics
 
 # scripts/install.sh unpacks Debian's promtool into the venv; a system one works too.
 PROMTOOL = next((str(p) for p in (Path(sys.executable).parent / "promtool",) if p.is_file()), None) \

@@ -102,6 +102,12 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> WheelEnv:
     return WheelEnv(wheel=wheel, venv=venv, site_packages=site_packages, home=home)
 
 
+def _installed_name(relative: Path) -> Path:
+    """Where a source file lands in the wheel: the top-level folders install under ``flatfare``."""
+    top = relative.parts[0]
+    return relative if top == "flatfare" else Path("flatfare", *relative.parts)
+
+
 def _source_files() -> set[str]:
     """Every module and alembic file of the source tree, named as the wheel names them."""
     names = set()
@@ -110,8 +116,7 @@ def _source_files() -> set[str]:
             relative = path.relative_to(REPO)
             if path.is_file() and not any(docker_ignored(str(p)) for p in (relative, *relative.parents)) \
                     and path.suffix in {".py", ".mako"}:
-                installed_as = Path("flatfare", *relative.parts) if root == "migrations" else relative
-                names.add(installed_as.as_posix())
+                names.add(_installed_name(relative).as_posix())
     return names
 
 
@@ -121,22 +126,34 @@ def test_the_wheel_carries_every_module_and_the_migrations(installed: WheelEnv) 
     missing = _source_files() - names
     assert not missing, f"not in the wheel (add the package to [tool.setuptools] packages): {sorted(missing)}"
     assert {"flatfare/migrations/env.py", "flatfare/migrations/script.py.mako",
-            "flatfare/migrations/versions/0001_initial.py"} <= names
-    assert not any(n.startswith(("tests/", "migrations/", "deploy/", "docs/")) for n in names)
+            "flatfare/migrations/versions/0001_initial.py", "flatfare/gateway/app.py",
+            "flatfare/workers/main.py", "flatfare/billing/ledger.py"} <= names
+
+
+def test_the_wheel_has_one_top_level_package_and_no_benchmarks(installed: WheelEnv) -> None:
+    with zipfile.ZipFile(installed.wheel) as wheel:
+        tops = {name.split("/")[0] for name in wheel.namelist()}
+        top_level = next(n for n in wheel.namelist() if n.endswith(".dist-info/top_level.txt"))
+        declared = wheel.read(top_level).decode().split()
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"flatfare"}
+    assert declared == ["flatfare"]
 
 
 def test_the_packages_import_from_the_installed_wheel(installed: WheelEnv) -> None:
-    code = ("import flatfare, gateway, workers, billing, bench, flatfare.migrations, flatfare.cli, gateway.app, "
-            "workers.main, billing.ledger\n"
+    code = ("import importlib.util, flatfare, flatfare.migrations, flatfare.cli.main, flatfare.gateway.app, "
+            "flatfare.workers.main, flatfare.billing.ledger\n"
             "from flatfare.storage.db import migrations_dir\n"
-            "for m in (flatfare, gateway, workers, billing, bench, flatfare.migrations): print(m.__file__)\n"
-            "print(migrations_dir())\n")
+            "for m in (flatfare, flatfare.gateway, flatfare.workers, flatfare.billing, flatfare.migrations): "
+            "print(m.__file__)\n"
+            "print(migrations_dir())\n"
+            "print(*(importlib.util.find_spec(n) is None for n in ('gateway', 'workers', 'billing', 'bench')))\n")
     done = installed.run("python", "-c", code)
     assert done.returncode == 0, done.stderr
-    files = done.stdout.split()
-    assert len(files) == 7
+    *files, absent = done.stdout.splitlines()
+    assert absent == "True True True True", "a bare top-level package is importable from the wheel"
+    assert len(files) == 6
     for file in files:
-        assert Path(file).is_relative_to(installed.site_packages), file
+        assert Path(file).is_relative_to(installed.site_packages / "flatfare"), file
         assert not Path(file).is_relative_to(REPO), file
     assert Path(files[-1]) == installed.site_packages / "flatfare" / "migrations"
 

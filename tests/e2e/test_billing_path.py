@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from bench.stripe_edge import StripeEdge
-from billing.plans import quota_window
+from flatfare.billing.plans import quota_window
 from flatfare.redis_local import free_port
 from tests.conftest import launch_stack
 

@@ -13,9 +13,9 @@ import openai
 import pytest
 import redis as redis_sync
 
-from billing.ledger import RETRY_S
-from billing.plans import quota_window
-from billing.quota import counter_key
+from flatfare.billing.ledger import RETRY_S
+from flatfare.billing.plans import quota_window
+from flatfare.billing.quota import counter_key
 from flatfare import contract
 from tests.conftest import launch_stack
 

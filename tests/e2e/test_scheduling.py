@@ -15,8 +15,8 @@ import httpx
 import pytest
 import redis as redis_sync
 
-from billing.plans import quota_window
-from billing.quota import counter_key
+from flatfare.billing.plans import quota_window
+from flatfare.billing.quota import counter_key
 from flatfare import contract
 from flatfare.contract import Lane
 from tests.conftest import launch_stack

@@ -10,13 +10,13 @@ from datetime import UTC, datetime
 
 import pytest
 
-from billing.plans import quota_window
-from billing.quota import EPOCH_KEY, DailyQuota, counter_key, expiry
+from flatfare.billing.plans import quota_window
+from flatfare.billing.quota import EPOCH_KEY, DailyQuota, counter_key, expiry
 from flatfare import contract
 from flatfare.contract import Endpoint, Job, Lane, Reply, ReplyKind, Usage
-from gateway.errors import APIError
-from gateway.queueing import LaneLimits, LaneQueue, QuotaClaim, QuotaSpent
-from gateway.replies import ReplyRouter
+from flatfare.gateway.errors import APIError
+from flatfare.gateway.queueing import LaneLimits, LaneQueue, QuotaClaim, QuotaSpent
+from flatfare.gateway.replies import ReplyRouter
 
 POOL = "m"
 

@@ -7,7 +7,7 @@ import pytest
 from flatfare import contract
 from flatfare.contract import Endpoint, WorkerInfo
 from flatfare.redis_conn import connect
-from gateway.affinity import PrefixRouter, prefix_hash
+from flatfare.gateway.prefix_routing import PrefixRouter, prefix_hash
 
 DOC = {"role": "system", "content": "contract clause " * 100}
 

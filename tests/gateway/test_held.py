@@ -10,16 +10,16 @@ from datetime import UTC, datetime
 import pytest
 from sqlalchemy import select
 
-from billing.ledger import Charge, Ledger, Outcome
-from billing.plans import quota_window
-from billing.quota import EPOCH_KEY, DailyQuota, counter_key, expiry
+from flatfare.billing.ledger import Charge, Ledger, Outcome
+from flatfare.billing.plans import quota_window
+from flatfare.billing.quota import EPOCH_KEY, DailyQuota, counter_key, expiry
 from flatfare import contract
 from flatfare.contract import Endpoint, Job, Lane
 from flatfare.storage.accounts import ensure_account, issue_key
 from flatfare.storage.db import create_engine, session_factory
 from flatfare.storage.models import RequestRecord, RequestStatus
-from gateway.held import LOST_CODE, HeldUnits
-from gateway.queueing import LaneLimits, LaneQueue, QuotaClaim
+from flatfare.billing.held import LOST_CODE, HeldUnits
+from flatfare.gateway.queueing import LaneLimits, LaneQueue, QuotaClaim
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ import pytest
 
 from flatfare import contract
 from flatfare.contract import Endpoint, Job, Lane
-from gateway.errors import APIError
-from gateway.queueing import DrainRate, LaneLimits, LaneQueue
+from flatfare.gateway.errors import APIError
+from flatfare.gateway.queueing import DrainRate, LaneLimits, LaneQueue
 
 POOL = "m"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from flatfare.contract import Endpoint
-from gateway.completions import parse_body
-from gateway.errors import APIError
+from flatfare.gateway.openai.service import parse_body
+from flatfare.gateway.errors import APIError
 
 
 def _param(raw: bytes, endpoint: Endpoint = Endpoint.CHAT) -> str | None:

@@ -14,9 +14,9 @@ from sqlalchemy import func, select
 from flatfare.storage.accounts import ensure_account, issue_admin_token, issue_key
 from flatfare.storage.db import create_engine, session_factory
 from flatfare.storage.models import AdminToken, ApiKey
-from gateway.admin.auth import AdminAuthenticator
-from gateway.auth import Authenticator
-from gateway.errors import APIError
+from flatfare.gateway.admin.auth import AdminAuthenticator
+from flatfare.gateway.auth import Authenticator
+from flatfare.gateway.errors import APIError
 from tests.security.timing import fast_async
 
 INJECTIONS = ["' OR '1'='1' -- ", "'; DROP TABLE api_keys; --", "\" OR 1=1 UNION SELECT key_hash FROM api_keys --",

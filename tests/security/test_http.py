@@ -16,8 +16,8 @@ import httpx
 import pytest
 import redis as redis_sync
 
-from billing.plans import quota_window
-from billing.quota import counter_key
+from flatfare.billing.plans import quota_window
+from flatfare.billing.quota import counter_key
 from tests.conftest import Stack, launch_admin_stack
 from tests.security.test_limits import json_schema, nested
 from tests.security.test_media import data_url, png

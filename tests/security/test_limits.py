@@ -11,9 +11,9 @@ import orjson
 import pytest
 
 from flatfare.contract import Endpoint
-from gateway import limits
-from gateway.completions import parse_body
-from gateway.errors import APIError
+from flatfare.gateway.openai import grammar_caps
+from flatfare.gateway.openai.service import parse_body
+from flatfare.gateway.errors import APIError
 from tests.security.timing import fast
 
 USER = [{"role": "user", "content": "hi"}]
@@ -193,18 +193,18 @@ def test_tools_are_bounded_in_number_size_and_patterns() -> None:
 # -- the digest the per-account grammar budget counts ---------------------------------------------
 
 def test_only_requests_that_compile_a_grammar_of_their_own_have_a_digest() -> None:
-    assert limits.constraint_digest({"response_format": {"type": "json_object"}}) is None
-    assert limits.constraint_digest({"tools": [tool(0)], "tool_choice": "auto"}) is None
-    one = limits.constraint_digest({"response_format": json_schema({"type": "string", "maxLength": 5})})
-    same = limits.constraint_digest({"response_format": json_schema({"maxLength": 5, "type": "string"})})
-    other = limits.constraint_digest({"response_format": json_schema({"type": "string", "maxLength": 6})})
+    assert grammar_caps.constraint_digest({"response_format": {"type": "json_object"}}) is None
+    assert grammar_caps.constraint_digest({"tools": [tool(0)], "tool_choice": "auto"}) is None
+    one = grammar_caps.constraint_digest({"response_format": json_schema({"type": "string", "maxLength": 5})})
+    same = grammar_caps.constraint_digest({"response_format": json_schema({"maxLength": 5, "type": "string"})})
+    other = grammar_caps.constraint_digest({"response_format": json_schema({"type": "string", "maxLength": 6})})
     assert one == same != other
-    assert limits.constraint_digest({"tools": [tool(0)], "tool_choice": "required"}) is not None
+    assert grammar_caps.constraint_digest({"tools": [tool(0)], "tool_choice": "required"}) is not None
 
 
 def test_repetition_cost_reads_the_usual_dialects() -> None:
-    assert limits.repetition_cost(r"\p{L}{2,5}") == (5, 1)
-    assert limits.repetition_cost("[{]{3}x{,4}") == (4, 1)
-    assert limits.repetition_cost("(a{5}b){3}") == (5, 15)
+    assert grammar_caps.repetition_cost(r"\p{L}{2,5}") == (5, 1)
+    assert grammar_caps.repetition_cost("[{]{3}x{,4}") == (4, 1)
+    assert grammar_caps.repetition_cost("(a{5}b){3}") == (5, 15)
     with pytest.raises(ValueError):
-        limits.repetition_cost("[abc")
+        grammar_caps.repetition_cost("[abc")

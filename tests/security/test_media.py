@@ -1,5 +1,5 @@
 """Media URLs the worker must not fetch, and images it must not decode, are refused by validation:
-a 400 naming the part, within 100 ms. Host names go through :class:`gateway.safety.RequestScreen`
+a 400 naming the part, within 100 ms. Host names go through :class:`flatfare.gateway.openai.screen.RequestScreen`
 (the running loop's resolver, a real Redis for the grammar budget)."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import orjson
 import pytest
 
 from flatfare.contract import Endpoint
-from gateway import media
-from gateway.completions import parse_body
-from gateway.errors import APIError
-from gateway.image_size import image_size
-from gateway.safety import RequestScreen
+from flatfare.gateway.openai import media
+from flatfare.gateway.openai.service import parse_body
+from flatfare.gateway.errors import APIError
+from flatfare.gateway.openai.image_size import image_size
+from flatfare.gateway.openai.screen import RequestScreen
 from tests.security.timing import fast, fast_async
 
 PARAM = "messages[0].content[1].image_url.url"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.security.test_media import png
-from workers.engine import MEDIA_LIMITS
+from flatfare.workers.engine import MEDIA_LIMITS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 # reads it. The engine's arguments are bad on purpose, so it stops right after setting it.
 _FETCH = r"""
 import asyncio, json, os, sys
-from workers.engine import Engine, EngineError
+from flatfare.workers.engine import Engine, EngineError
 
 try:
     asyncio.run(Engine(["--no-such-flag"]).start())

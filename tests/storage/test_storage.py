@@ -11,7 +11,7 @@ from alembic import command
 from sqlalchemy import func, select
 from sqlalchemy.exc import DBAPIError
 
-from billing.ledger import Charge, DuplicateIdempotencyKey, Ledger, Outcome
+from flatfare.billing.ledger import Charge, DuplicateIdempotencyKey, Ledger, Outcome
 from flatfare.storage.accounts import AccountError, ensure_account, issue_key
 from flatfare.storage.db import alembic_config, create_engine, migrate, session_factory
 from flatfare.storage.keys import KEY_PREFIX, hash_key, looks_like_key

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 
 from flatfare.contract import Lane
-from workers.claims import Claimer, LaneShare
+from flatfare.workers.claims import Claimer, LaneShare
 
 
 def test_standard_gets_one_claim_in_five_under_premium_load() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workers.engine import engine_argv
+from flatfare.workers.engine import engine_argv
 
 
 def test_options_become_flags() -> None:
@@ -20,7 +20,7 @@ def test_options_become_flags() -> None:
 def test_tensor_parallel_needs_as_many_visible_gpus() -> None:
     import pytest
 
-    from workers.engine import EngineError, check_gpus, gpus_needed
+    from flatfare.workers.engine import EngineError, check_gpus, gpus_needed
 
     assert gpus_needed({"tensor_parallel_size": 4, "pipeline_parallel_size": 2}) == 8
     check_gpus({"tensor_parallel_size": 2}, visible=2)

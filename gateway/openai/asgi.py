@@ -4,8 +4,8 @@ These two routes carry nearly all of the platform's traffic, so they skip FastAP
 dependency solving and middleware stack (a third of the gateway's CPU a request, measured in
 bench/results/profile.md): :class:`CompletionRoutes` wraps the FastAPI application from outside
 (Starlette's own outermost layer cost 5 % more), reads the few headers it needs, the bounded body,
-authenticates, hands the rest to :class:`~gateway.completions.CompletionService`, and sends its
-:class:`~gateway.completions.Answer` itself, with the same metrics, log line, rate-limit headers and
+authenticates, hands the rest to :class:`~flatfare.gateway.openai.service.CompletionService`, and sends its
+:class:`~flatfare.gateway.openai.service.Answer` itself, with the same metrics, log line, rate-limit headers and
 OpenAI error bodies as every other route. FastAPI still declares both routes (gateway/routes.py),
 so ``/docs`` and ``/openapi.json`` document them; every other request, and the lifespan, pass
 through to FastAPI untouched.
@@ -24,13 +24,13 @@ from sqlalchemy.exc import SQLAlchemyError
 from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 
-from billing.quota import QuotaUnavailable
+from flatfare.billing.quota import QuotaUnavailable
 from flatfare.contract import Endpoint
-from gateway.auth import Caller
-from gateway.completions import CLIENT_CLOSED, Answer, Call
-from gateway.errors import APIError, database_unavailable, error_body, queue_unreachable
-from gateway.metrics import GatewayMetrics, observe
-from gateway.ratelimit import current_headers
+from flatfare.gateway.auth import Caller
+from flatfare.gateway.openai.service import CLIENT_CLOSED, Answer, Call
+from flatfare.gateway.errors import APIError, database_unavailable, error_body, queue_unreachable
+from flatfare.gateway.metrics import GatewayMetrics, observe
+from flatfare.gateway.quota_headers import current_headers
 
 log = logging.getLogger("flatfare.gateway")
 

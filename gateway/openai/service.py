@@ -1,7 +1,7 @@
 """One completion request through the platform: validate, route, count and queue, record, answer.
 
 Everything a client can get wrong is refused here, before the ledger or the queue see the request.
-The service knows nothing of HTTP: :mod:`gateway.openai_asgi` hands it the body, the caller and a
+The service knows nothing of HTTP: :mod:`flatfare.gateway.openai.asgi` hands it the body, the caller and a
 :class:`Call` (the few headers it reads, the client's presence) and sends the :class:`Answer` back.
 """
 
@@ -21,25 +21,25 @@ import orjson
 from redis.exceptions import RedisError
 from sqlalchemy.exc import SQLAlchemyError
 
-from billing.ledger import Charge, DuplicateIdempotencyKey, Ledger, Outcome
-from billing.plans import AccountTerms, QuotaWindow, quota_window
-from billing.quota import DailyQuota, QuotaUnavailable, expiry
+from flatfare.billing.ledger import Charge, DuplicateIdempotencyKey, Ledger, Outcome
+from flatfare.billing.plans import AccountTerms, QuotaWindow, quota_window
+from flatfare.billing.quota import DailyQuota, QuotaUnavailable, expiry
 from flatfare.contract import Endpoint, Job, Reply, ReplyKind
 from flatfare.logs import bind
 from flatfare.storage.models import RequestRecord, RequestStatus
-from gateway.affinity import PrefixRouter, prefix_hash
-from gateway.auth import Caller
-from gateway.errors import APIError, error_body
-from gateway.held import LOST_CODE, HeldUnits
-from gateway.metrics import GatewayMetrics
-from gateway.plans import PlanBook
-from gateway.pools import Pools
-from gateway.request_checks import (IDEMPOTENCY_WINDOW_S, check_caps, check_fits, deadline_ms_of, expired,
+from flatfare.gateway.prefix_routing import PrefixRouter, prefix_hash
+from flatfare.gateway.auth import Caller
+from flatfare.gateway.errors import APIError, error_body
+from flatfare.billing.held import LOST_CODE, HeldUnits
+from flatfare.gateway.metrics import GatewayMetrics
+from flatfare.gateway.plans import PlanBook
+from flatfare.gateway.pools import Pools
+from flatfare.gateway.openai.checks import (IDEMPOTENCY_WINDOW_S, check_caps, check_fits, deadline_ms_of, expired,
                                     idempotency_key_of, parse_body)
-from gateway.queueing import LaneQueue, QuotaClaim, QuotaSpent, Queued
-from gateway.ratelimit import ratelimit_headers
-from gateway.replies import JOB_LOST, Inbox, Replies, ReplyRouter, timed_out
-from gateway.safety import RequestScreen
+from flatfare.gateway.queueing import LaneQueue, QuotaClaim, QuotaSpent, Queued
+from flatfare.gateway.quota_headers import ratelimit_headers
+from flatfare.gateway.replies import JOB_LOST, Inbox, Replies, ReplyRouter, timed_out
+from flatfare.gateway.openai.screen import RequestScreen
 
 log = logging.getLogger("flatfare.gateway")
 
@@ -157,7 +157,7 @@ class Admission:
     lane: str = ""
     # The idempotent request's own reply stream is kept for replays.
     keep_reply: bool = False
-    # The quota counters' generation its unit was counted in (see billing.quota's give-back).
+    # The quota counters' generation its unit was counted in (see flatfare.billing.quota's give-back).
     generation: str = ""
 
 

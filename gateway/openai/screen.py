@@ -2,7 +2,7 @@
 request is counted: media hosts must resolve to public addresses, and an account may make the
 engine compile only so many new output grammars a minute.
 
-:mod:`gateway.media` refuses every URL it can judge from its text alone; a host *name* still has to
+:mod:`flatfare.gateway.openai.media` refuses every URL it can judge from its text alone; a host *name* still has to
 be resolved, with the running loop's resolver and a short timeout. A name that does not resolve
 (or not in time) is refused too: the worker could not fetch it either, and an answer within the
 timeout beats an engine-side failure after the fetch's own (VLLM_IMAGE_FETCH_TIMEOUT, retried).
@@ -10,7 +10,7 @@ The worker resolves the name again when it fetches, so a name whose answer chang
 two (DNS rebinding) is only stopped by the worker's egress policy: docs/SECURITY.md.
 
 Grammars: each distinct JSON schema, pattern or grammar costs the engine a compilation (up to about a
-second for what :mod:`gateway.limits` lets through) before the request's first token, and the
+second for what :mod:`flatfare.gateway.openai.grammar_caps` lets through) before the request's first token, and the
 engine's compiled-grammar cache is shared by everyone. Repeating a schema is free; a client sending a
 new one with every request gets 429 past :attr:`RequestScreen.new_grammars_per_minute`.
 """
@@ -25,9 +25,9 @@ from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 
-from gateway import limits, media
-from gateway.errors import APIError
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from flatfare.gateway.openai import grammar_caps, media
+from flatfare.gateway.errors import APIError
+from flatfare.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 # host -> the addresses it resolves to, as text ("93.184.216.34", "2606:4700::1111").
 Resolver = Callable[[str], Awaitable[list[str]]]
@@ -69,7 +69,7 @@ class RequestScreen:
         """Raise the client's APIError for a request the engine must not get; nothing is counted."""
         if isinstance(parsed, ChatCompletionRequest):
             await self.check_hosts(media.media_refs(parsed.messages))
-        digest = limits.constraint_digest(dict(parsed))
+        digest = grammar_caps.constraint_digest(dict(parsed))
         if digest is not None:
             await self.check_grammar(account_id, digest)
 

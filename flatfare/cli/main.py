@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from flatfare.admin_cli import app as admin_app
+from flatfare.cli.admin import app as admin_app
 from flatfare.settings import DEFAULT_MODEL, CommonSettings
 
 app = typer.Typer(help="Flatfare: an OpenAI-compatible LLM API with flat per-request pricing.",
@@ -33,7 +33,7 @@ def up(
     port: Annotated[int, typer.Option(help="Gateway port on 127.0.0.1.")] = 8000,
 ) -> None:
     """Start the whole platform locally: Redis, migrations, one CPU worker and the gateway."""
-    from flatfare.up import run_up
+    from flatfare.cli.up import run_up
 
     sys.exit(run_up(model=model, port=port))
 
@@ -46,7 +46,7 @@ def gateway(
     server: Annotated[str | None, typer.Option(help="HTTP server: uvicorn (httptools) or granian (Rust).")] = None,
 ) -> None:
     """Run the gateway (FLATFARE_DATABASE_URL, FLATFARE_REDIS_URL)."""
-    from gateway.settings import GatewaySettings
+    from flatfare.gateway.settings import GatewaySettings
 
     overrides: dict[str, Any] = {k: v for k, v in {"host": host, "port": port, "server": server}.items()
                                  if v is not None}
@@ -66,12 +66,12 @@ def gateway(
     if settings.server == "granian":
         from granian import Granian
 
-        Granian("gateway.app:create_app", address=settings.host, port=settings.port, interface="asgi",
+        Granian("flatfare.gateway.app:create_app", address=settings.host, port=settings.port, interface="asgi",
                 workers=processes, factory=True, loop="uvloop", log_enabled=False, backlog=4096).serve()
         return
     import uvicorn
 
-    uvicorn.run("gateway.app:create_app", factory=True, host=settings.host, port=settings.port,
+    uvicorn.run("flatfare.gateway.app:create_app", factory=True, host=settings.host, port=settings.port,
                 workers=processes, log_level=settings.log_level, access_log=False, log_config=None)
 
 
@@ -110,8 +110,8 @@ def worker(
     # A worker is one process: its metrics (and vLLM's) stay in memory. A multiprocess folder meant for
     # gateways would make prometheus_client write them to files that no /metrics of the worker reads.
     os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    from workers.main import WorkerError, main
-    from workers.settings import WorkerSettings
+    from flatfare.workers.main import WorkerError, main
+    from flatfare.workers.settings import WorkerSettings
 
     overrides: dict[str, Any] = {"model": model}
     if source:
@@ -176,7 +176,7 @@ def billing_reconcile(day: Annotated[str, typer.Option(help="Quota day, YYYY-MM-
     """Compare the day's billable ledger rows with the meter-event outbox and queue what is missing."""
     from datetime import date
 
-    from billing.outbox import reconcile
+    from flatfare.billing.outbox import reconcile
     from flatfare.storage.db import create_engine, session_factory
 
     try:
@@ -199,10 +199,10 @@ def billing_reconcile(day: Annotated[str, typer.Option(help="Quota day, YYYY-MM-
 @billing_app.command("send-usage")
 def billing_send_usage() -> None:
     """Send every due meter event now (the gateway also does this continuously)."""
-    from billing.outbox import OutboxSender
-    from billing.stripe_client import StripeGateway
+    from flatfare.billing.outbox import OutboxSender
+    from flatfare.billing.stripe_client import StripeGateway
     from flatfare.storage.db import create_engine, session_factory
-    from gateway.settings import GatewaySettings
+    from flatfare.gateway.settings import GatewaySettings
 
     settings = GatewaySettings()
     if not settings.stripe_enabled:
@@ -217,14 +217,6 @@ def billing_send_usage() -> None:
             await engine.dispose()
 
     typer.echo(f"{asyncio.run(run())} meter events sent")
-
-
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
-def bench(ctx: typer.Context) -> None:
-    """Run a benchmark: overhead | engine | gpu | profile (`flatfare bench overhead --help`; docs/PERFORMANCE.md)."""
-    from bench.__main__ import main as bench_main
-
-    sys.exit(bench_main(list(ctx.args)))
 
 
 def main() -> None:

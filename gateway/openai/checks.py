@@ -1,6 +1,6 @@
 """What a completion request must satisfy before anything is counted, queued or written: its body,
 the plan's caps, the model's context, and the two headers the platform reads. Plain functions, testable
-without HTTP, Redis or a database; each raises the client's :class:`~gateway.errors.APIError`."""
+without HTTP, Redis or a database; each raises the client's :class:`~flatfare.gateway.errors.APIError`."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from billing.plans import AccountTerms
+from flatfare.billing.plans import AccountTerms
 from flatfare.contract import Endpoint
 from flatfare.storage.models import RequestRecord
-from gateway.errors import APIError, invalid, validation_error
-from gateway.pools import Pool
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from flatfare.gateway.errors import APIError, invalid, validation_error
+from flatfare.gateway.pools import Pool
+from flatfare.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 _MODELS = {Endpoint.CHAT: ChatCompletionRequest, Endpoint.COMPLETION: CompletionRequest}
 IDEMPOTENCY_WINDOW_S = 24 * 3600

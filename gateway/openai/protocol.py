@@ -1,9 +1,9 @@
 """Wire models that validate OpenAI request bodies before anything is queued.
 
 They check what the gateway must refuse early (shapes, types, ranges, and what would cost the
-engine far more than the request's size: see :mod:`gateway.limits` and :mod:`gateway.media`) and
+engine far more than the request's size: see :mod:`flatfare.gateway.openai.grammar_caps` and :mod:`flatfare.gateway.openai.media`) and
 allow extra fields, which go to the engine untouched: vLLM validates those exactly as ``vllm serve``
-does. Those checks raise :class:`~gateway.errors.APIError` naming the parameter, which pydantic
+does. Those checks raise :class:`~flatfare.gateway.errors.APIError` naming the parameter, which pydantic
 lets through unchanged.
 """
 
@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway import limits, media
-from gateway.errors import invalid
+from flatfare.gateway.openai import grammar_caps, media
+from flatfare.gateway.errors import invalid
 
 MAX_N = 128
 # OpenAI's bounds: best_of up to 20, 20 log probabilities per token, 300 biased tokens.
@@ -84,11 +84,11 @@ class _Sampling(_Body):
         if extra:
             for name in extra.keys() & REFUSED_FIELDS.keys():
                 if extra[name] is not None:
-                    raise limits.refuse_field(name, REFUSED_FIELDS[name])
+                    raise grammar_caps.refuse_field(name, REFUSED_FIELDS[name])
         if self.best_of is not None and self.best_of < (self.n or 1):
             raise invalid(f"best_of ({self.best_of}) must be at least n ({self.n}).", param="best_of")
         if extra or self.structured_outputs is not None or getattr(self, "response_format", None) is not None:
-            limits.check_constraints(dict(self))  # declared and extra fields alike
+            grammar_caps.check_constraints(dict(self))  # declared and extra fields alike
         self._check_content()
         return self
 
@@ -110,7 +110,7 @@ class ChatCompletionRequest(_Sampling):
 
     def _check_content(self) -> None:
         if self.tools:
-            limits.check_tools(self.tools)
+            grammar_caps.check_tools(self.tools)
         if any(type(message.content) is list for message in self.messages):  # text-only: nothing to fetch
             for ref in media.media_refs(self.messages):
                 media.check_media(ref)

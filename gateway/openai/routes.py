@@ -7,9 +7,9 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from gateway.deps import CurrentCaller, PoolsDep
-from gateway.errors import ERROR_RESPONSES, APIError
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from flatfare.gateway.deps import CurrentCaller, PoolsDep
+from flatfare.gateway.errors import ERROR_RESPONSES, APIError
+from flatfare.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter(prefix="/v1", tags=["openai"], responses=ERROR_RESPONSES)
 
@@ -18,7 +18,7 @@ def _body_schema(model: type) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
 
 
-# Served by gateway.openai_asgi.CompletionRoutes before FastAPI routes anything; declared here so
+# Served by flatfare.gateway.openai.asgi.CompletionRoutes before FastAPI routes anything; declared here so
 # /docs and /openapi.json document them with their bodies and the API key they need.
 def _served_outside() -> Response:
     raise APIError(500, "This route is served by the gateway's completion middleware; it was bypassed.",

@@ -128,8 +128,8 @@ def run_up(model: str, port: int) -> int:
             status.update(f"applying migrations to {settings.resolved_database_url}")
             migrate(settings.resolved_database_url)
             status.update(f"preparing {model}")
-            from workers.main import ModelSpec  # noqa: F401 - fail early if the worker extra is missing
-            from workers.prepare import resolve_source
+            from flatfare.workers.main import ModelSpec  # noqa: F401 - fail early if the worker extra is missing
+            from flatfare.workers.prepare import resolve_source
 
             if model == "smollm2-135m-instruct":
                 resolve_source("builtin:smollm2-135m-instruct", settings.models_dir,

@@ -2,7 +2,7 @@
 
 vLLM, on the worker, fetches the ``image_url`` (``audio_url``, ``video_url``) of a message itself.
 So the gateway refuses, before anything is counted, every URL the worker must not fetch: schemes
-other than https, http and data; hosts that are (or, once :mod:`gateway.safety` resolves them,
+other than https, http and data; hosts that are (or, once :mod:`flatfare.gateway.openai.screen` resolves them,
 resolve to) private, loopback, link-local, CGNAT, multicast, reserved or otherwise non-global
 addresses; names that only mean something inside a network (``localhost``, ``*.internal``, single
 labels); and URLs that two parsers could read differently (user info, backslashes, spaces). Inline
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from gateway.errors import APIError, invalid
-from gateway.image_size import image_size
+from flatfare.gateway.errors import APIError, invalid
+from flatfare.gateway.openai.image_size import image_size
 
 # Media parts in one request (OpenAI allows many more; each one is a fetch and a decode on the worker).
 MAX_MEDIA_PARTS = 64

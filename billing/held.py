@@ -26,8 +26,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from sqlalchemy.exc import SQLAlchemyError
 
-from billing.ledger import Ledger
-from billing.quota import DailyQuota, QuotaUnavailable
+from flatfare.billing.ledger import Ledger
+from flatfare.billing.quota import DailyQuota, QuotaUnavailable
 from flatfare import contract
 
 log = logging.getLogger("flatfare.gateway")

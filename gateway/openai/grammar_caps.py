@@ -8,7 +8,7 @@ schemas grow faster than their size (23 KB: 0.09 s, 184 KB: 1.2 s, 368 KB: 3.8 s
 refuse those with a 400 naming the parameter, before anything is counted; what they let through
 compiles in about a second or less.
 
-These are plain functions over the client's JSON; :mod:`gateway.protocol` calls them.
+These are plain functions over the client's JSON; :mod:`flatfare.gateway.openai.protocol` calls them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import APIError, invalid
+from flatfare.gateway.errors import APIError, invalid
 
 # One schema (response_format's, structured_outputs', one tool's), serialized compactly.
 MAX_SCHEMA_BYTES = 32 * 1024

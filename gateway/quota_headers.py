@@ -7,8 +7,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from billing.plans import QuotaWindow, openai_duration, quota_window
-from billing.quota import QuotaUnavailable
+from flatfare.billing.plans import QuotaWindow, openai_duration, quota_window
+from flatfare.billing.quota import QuotaUnavailable
 
 
 def ratelimit_headers(limit: int | None, used: int, window: QuotaWindow, now: datetime) -> dict[str, str]:
