@@ -54,13 +54,28 @@ def check_caps(parsed: ChatCompletionRequest | CompletionRequest, terms: Account
     if not plan.allows_model(parsed.model):
         raise APIError(403, f"The {plan.name} plan does not include the model '{parsed.model}'.",
                        param="model", code="model_not_allowed")
-    if (parsed.n or 1) > plan.max_n:
-        raise invalid(f"n is {parsed.n}; the {plan.name} plan allows at most {plan.max_n}.", param="n")
+    if (sequences := parsed.sequences()) > plan.max_n:
+        raise invalid(_too_many_sequences(parsed, sequences, plan.name, plan.max_n),
+                      param="prompt" if parsed.prompts() > 1 else ("best_of" if (parsed.best_of or 1) > (parsed.n or 1)
+                                                                   else "n"),
+                      code="too_many_sequences")
     wanted = parsed.output_tokens()
     if plan.max_output_tokens is not None and wanted is not None and wanted > plan.max_output_tokens:
         param = "max_completion_tokens" if getattr(parsed, "max_completion_tokens", None) else "max_tokens"
         raise invalid(f"{param} is {wanted}; the {plan.name} plan allows at most {plan.max_output_tokens} "
                       "output tokens per request.", param=param)
+
+
+def _too_many_sequences(parsed: ChatCompletionRequest | CompletionRequest, sequences: int, plan: str,
+                        allowed: int) -> str:
+    """Say what the request's work is made of: one request is one price, so it is bounded."""
+    parts = []
+    if (prompts := parsed.prompts()) > 1:
+        parts.append(f"{prompts} prompts")
+    width = max(parsed.n or 1, parsed.best_of or 1)
+    parts.append(f"best_of={parsed.best_of}" if (parsed.best_of or 1) > (parsed.n or 1) else f"n={width}")
+    return (f"This request asks for {sequences} generated sequences ({' x '.join(parts)}); the {plan} plan "
+            f"allows at most {allowed} per request. Send the prompts as separate requests, or lower n.")
 
 
 MAX_QUEUE_DEADLINE_MS = 86_400_000

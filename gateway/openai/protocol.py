@@ -77,6 +77,15 @@ class _Sampling(_Body):
     def output_tokens(self) -> int | None:
         return self.max_tokens
 
+    def prompts(self) -> int:
+        """How many prompts the request carries (a completion may send a list)."""
+        return 1
+
+    def sequences(self) -> int:
+        """The sequences the engine generates for this request: prompts x n, or x best_of when larger.
+        This is the request's work, and what the plan's ``max_n`` caps."""
+        return self.prompts() * max(self.n or 1, self.best_of or 1)
+
     @model_validator(mode="after")
     def _bounded(self) -> Self:
         # Most requests carry none of these: the checks cost them two attribute reads.
@@ -124,3 +133,13 @@ class CompletionRequest(_Sampling):
     echo: bool | None = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     suffix: str | None = None
+
+    def prompts(self) -> int:
+        prompt = self.prompt
+        if type(prompt) is str or (prompt and type(prompt[0]) is int):
+            return 1  # one text, or one prompt as token ids
+        return len(prompt)  # a list of texts or of token-id lists
+
+    def _check_content(self) -> None:
+        if type(self.prompt) is list and not self.prompt:
+            raise invalid("prompt must not be an empty list.", param="prompt")
