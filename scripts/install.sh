@@ -31,7 +31,7 @@ if [[ "$extras" == *test* ]] && [ ! -x .venv/bin/promtool ] && command -v apt-ge
             || { [ "$(id -u)" = 0 ] && apt-get update -qq && apt-get download prometheus >/dev/null 2>&1; }; }); then
         dpkg-deb -x "$tmp"/prometheus_*.deb "$tmp/x" && cp "$tmp/x/usr/bin/promtool" .venv/bin/promtool
     else
-        echo "promtool unavailable: the Prometheus rule tests will be skipped" >&2
+        echo "promtool unavailable: the Prometheus rule tests will be skipped (and fail under CI)" >&2
     fi
     rm -rf "$tmp"
 fi
@@ -39,11 +39,12 @@ fi
 if [[ "$extras" == *test* || "$extras" == *bench* ]] && [ ! -e .venv/lib/faketime/libfaketimeMT.so.1 ] \
         && command -v apt-get >/dev/null; then
     tmp=$(mktemp -d)
-    if (cd "$tmp" && apt-get download libfaketime >/dev/null 2>&1); then
+    if (cd "$tmp" && { apt-get download libfaketime >/dev/null 2>&1 \
+            || { [ "$(id -u)" = 0 ] && apt-get update -qq && apt-get download libfaketime >/dev/null 2>&1; }; }); then
         dpkg-deb -x "$tmp"/libfaketime_*.deb "$tmp/x" && mkdir -p .venv/lib/faketime \
             && cp "$tmp"/x/usr/lib/*/faketime/libfaketime*.so.1 .venv/lib/faketime/
     else
-        echo "libfaketime unavailable: the day-boundary fault scenario will be skipped" >&2
+        echo "libfaketime unavailable: the day-boundary fault scenario will be skipped (and fail under CI)" >&2
     fi
     rm -rf "$tmp"
 fi

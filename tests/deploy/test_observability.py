@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from prometheus_client import CollectorRegistry
 
 from flatfare.contract import Reply, ReplyKind, Usage
@@ -19,10 +18,12 @@ from flatfare.gateway.metrics import GatewayMetrics, PlatformSnapshot, PoolState
 from tests.deploy.files import (DEPLOY, RULES_FILE, all_queries, dashboard, dashboard_queries, grouping_labels,
                                 load_yaml, rules, selectors)
 from flatfare.workers.metrics import WorkerMetrics
+from tests.conftest import need, unavailable
 
 # scripts/install.sh unpacks Debian's promtool into the venv; a system one works too.
 PROMTOOL = next((str(p) for p in (Path(sys.executable).parent / "promtool",) if p.is_file()), None) \
     or shutil.which("promtool")
+PROMTOOL_MISSING = "promtool not installed (scripts/install.sh test unpacks it; Debian: apt-get install prometheus)"
 # Labels Prometheus adds to every scraped series.
 TARGET_LABELS = {"instance", "job"}
 
@@ -59,7 +60,7 @@ def vllm_metric_names() -> set[str]:
     """The ``vllm:*`` metric names the installed vLLM registers (read from its source, not imported)."""
     spec = importlib.util.find_spec("vllm")
     if spec is None or spec.origin is None:
-        pytest.skip("vLLM is not installed")
+        unavailable("vLLM is not installed")
     source = (Path(spec.origin).parent / "v1" / "metrics" / "loggers.py").read_text()
     names = set(re.findall(r'name="(vllm:[a-z0-9_:]+)"', source))
     return names | {f"{n}_total" for n in names} | {f"{n}_{s}" for n in names for s in ("bucket", "count", "sum")}
@@ -98,16 +99,16 @@ def test_alert_rules_have_what_an_on_call_needs() -> None:
         assert rule["for"].endswith("m")
 
 
-@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian: apt-get install prometheus)")
 def test_promtool_checks_the_rules_and_runs_their_unit_tests() -> None:
+    need(PROMTOOL, PROMTOOL_MISSING)
     for args in (["check", "rules", str(RULES_FILE)],
                  ["test", "rules", str(DEPLOY / "prometheus" / "tests" / "flatfare.test.yml")]):
         result = subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=60, check=False)
         assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (Debian: apt-get install prometheus)")
 def test_promtool_checks_the_prometheus_config(tmp_path: Path) -> None:
+    need(PROMTOOL, PROMTOOL_MISSING)
     # The config names the rules where the compose file mounts them; point it at the repository's.
     config = (DEPLOY / "prometheus" / "prometheus.yml").read_text()
     config = config.replace("/etc/prometheus/rules/*.yml", str(RULES_FILE.parent / "*.yml"))
