@@ -16,7 +16,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from flatfare.contract import WorkerInfo, WorkerState, pool_name
 from flatfare.logs import configure_logging, dict_config
 from flatfare.redis_conn import connect
-from flatfare.storage.db import create_engine, session_factory
+from flatfare.storage.db import brief_sessions
 from flatfare.storage.models import CatalogModel
 from flatfare.workers.engine import Engine, EngineError, check_gpus, engine_argv
 from flatfare.workers.instant import InstantEngine
@@ -47,16 +47,14 @@ class ModelSpec:
 async def load_spec(settings: WorkerSettings) -> ModelSpec:
     """The model's catalog entry, overridden by the worker's own settings."""
     entry: CatalogModel | None = None
-    engine = create_engine(settings.resolved_database_url, pool_size=1)
-    try:
-        async with session_factory(engine)() as session:
-            entry = await session.scalar(select(CatalogModel).where(CatalogModel.name == settings.model))
-    except SQLAlchemyError as exc:
-        if not settings.source:
-            raise WorkerError(f"cannot read the model catalog ({exc.__class__.__name__}); "
-                              "run `flatfare migrate` or pass --source") from exc
-    finally:
-        await engine.dispose()
+    async with brief_sessions(settings.resolved_database_url) as sessions:
+        try:
+            async with sessions() as session:
+                entry = await session.scalar(select(CatalogModel).where(CatalogModel.name == settings.model))
+        except SQLAlchemyError as exc:
+            if not settings.source:
+                raise WorkerError(f"cannot read the model catalog ({exc.__class__.__name__}); "
+                                  "run `flatfare migrate` or pass --source") from exc
     if entry is None and not settings.source:
         raise WorkerError(f"model {settings.model!r} is not in the catalog; add it or pass --source")
     if entry is not None and not entry.enabled:

@@ -72,19 +72,15 @@ def bootstrap(name: Annotated[str, typer.Option(help="A label for the token.")] 
     from sqlalchemy import func, select
 
     from flatfare.storage.accounts import issue_admin_token
-    from flatfare.storage.db import create_engine, session_factory
+    from flatfare.storage.db import one_session
     from flatfare.storage.models import AdminToken
 
     async def run() -> str | None:
-        engine = create_engine(CommonSettings().resolved_database_url, pool_size=1)
-        try:
-            async with session_factory(engine)() as session, session.begin():
-                if not force and await session.scalar(select(func.count()).select_from(AdminToken)):
-                    return None
-                _, secret = await issue_admin_token(session, name, ["admin:read", "admin:write"])
-                return secret
-        finally:
-            await engine.dispose()
+        async with one_session(CommonSettings().resolved_database_url) as session, session.begin():
+            if not force and await session.scalar(select(func.count()).select_from(AdminToken)):
+                return None
+            _, secret = await issue_admin_token(session, name, ["admin:read", "admin:write"])
+            return secret
 
     secret = asyncio.run(run())
     if secret is None:

@@ -148,27 +148,13 @@ def keys_create(
     name: Annotated[str, typer.Option(help="A label for the key.")] = "",
 ) -> None:
     """Create an API key and print it, alone, on stdout."""
-    from flatfare.storage.accounts import AccountError
+    from flatfare.storage.accounts import AccountError, create_key
 
     try:
-        secret = asyncio.run(_create_key(account, plan, name))
+        secret = asyncio.run(create_key(CommonSettings().resolved_database_url, account, plan, name))
     except AccountError as exc:
         _fail(str(exc))
     typer.echo(secret)
-
-
-async def _create_key(account: str, plan: str | None, name: str) -> str:
-    from flatfare.storage.accounts import ensure_account, issue_key
-    from flatfare.storage.db import create_engine, session_factory
-
-    engine = create_engine(CommonSettings().resolved_database_url, pool_size=1)
-    try:
-        async with session_factory(engine)() as session:
-            issued = await issue_key(session, await ensure_account(session, account, plan), name)
-            await session.commit()
-            return issued.secret
-    finally:
-        await engine.dispose()
 
 
 @billing_app.command("reconcile")
@@ -177,7 +163,7 @@ def billing_reconcile(day: Annotated[str, typer.Option(help="Quota day, YYYY-MM-
     from datetime import date
 
     from flatfare.billing.outbox import reconcile
-    from flatfare.storage.db import create_engine, session_factory
+    from flatfare.storage.db import brief_sessions
 
     try:
         date.fromisoformat(day)
@@ -185,11 +171,8 @@ def billing_reconcile(day: Annotated[str, typer.Option(help="Quota day, YYYY-MM-
         _fail(f"--day must look like 2026-12-02, not {day!r}")
 
     async def run() -> None:
-        engine = create_engine(CommonSettings().resolved_database_url, pool_size=1)
-        try:
-            result = await reconcile(session_factory(engine), day)
-        finally:
-            await engine.dispose()
+        async with brief_sessions(CommonSettings().resolved_database_url) as sessions:
+            result = await reconcile(sessions, day)
         typer.echo(f"day {result.day}: {result.billable} billable requests, {result.in_outbox} in the outbox "
                    f"({result.sent} sent), {result.repaired} missing rows queued")
 
@@ -201,7 +184,7 @@ def billing_send_usage() -> None:
     """Send every due meter event now (the gateway also does this continuously)."""
     from flatfare.billing.outbox import OutboxSender
     from flatfare.billing.stripe_client import StripeGateway
-    from flatfare.storage.db import create_engine, session_factory
+    from flatfare.storage.db import brief_sessions
     from flatfare.gateway.settings import GatewaySettings
 
     settings = GatewaySettings()
@@ -209,12 +192,8 @@ def billing_send_usage() -> None:
         _fail("set FLATFARE_STRIPE_API_KEY and FLATFARE_STRIPE_WEBHOOK_SECRET")
 
     async def run() -> int:
-        engine = create_engine(settings.resolved_database_url, pool_size=1)
-        stripe = StripeGateway(settings.stripe_config())
-        try:
-            return await OutboxSender(session_factory(engine), stripe).send_due()
-        finally:
-            await engine.dispose()
+        async with brief_sessions(settings.resolved_database_url) as sessions:
+            return await OutboxSender(sessions, StripeGateway(settings.stripe_config())).send_due()
 
     typer.echo(f"{asyncio.run(run())} meter events sent")
 

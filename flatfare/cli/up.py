@@ -20,6 +20,7 @@ from rich.console import Console
 
 from flatfare.redis_local import LocalRedis
 from flatfare.settings import CommonSettings
+from flatfare.storage.accounts import create_key
 from flatfare.storage.db import migrate
 
 console = Console(stderr=True)
@@ -67,23 +68,6 @@ def _stop(processes: list[subprocess.Popen[bytes]], timeout_s: float = 30.0) -> 
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-
-
-def _create_key(settings: CommonSettings) -> str:
-    from flatfare.storage.accounts import ensure_account, issue_key
-    from flatfare.storage.db import create_engine, session_factory
-
-    async def create() -> str:
-        engine = create_engine(settings.resolved_database_url, pool_size=1)
-        try:
-            async with session_factory(engine)() as session:
-                issued = await issue_key(session, await ensure_account(session, LOCAL_ACCOUNT, LOCAL_PLAN), "flatfare up")
-                await session.commit()
-                return issued.secret
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(create())
 
 
 def _examples(base_url: str, key: str, model: str) -> str:
@@ -158,7 +142,7 @@ def run_up(model: str, port: int) -> int:
                 elapsed = time.monotonic() - started
                 status.update(f"waiting for the engine ({elapsed:.0f} s): {_last_line(logs / 'worker.log')}")
                 time.sleep(1)
-        key = _create_key(settings)
+        key = asyncio.run(create_key(settings.resolved_database_url, LOCAL_ACCOUNT, LOCAL_PLAN, "flatfare up"))
         console.print(f"ready in {time.monotonic() - started:.1f} s")
         # soft_wrap: long lines stay whole so they copy-paste as printed.
         console.print(_examples(base_url, key, model), soft_wrap=True, highlight=False)

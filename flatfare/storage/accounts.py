@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from flatfare.storage.db import one_session
 from flatfare.storage.keys import ADMIN_PREFIX, hash_key, new_key, visible_prefix
 from flatfare.storage.models import Account, AdminToken, ApiKey, Plan
 
@@ -50,6 +51,15 @@ async def issue_key(session: AsyncSession, account: Account, name: str = "") -> 
     session.add(key)
     await session.flush()
     return IssuedKey(account_id=account.id, key_id=key.id, secret=secret)
+
+
+async def create_key(database_url: str, account: str, plan: str | None = None, name: str = "") -> str:
+    """Issue a key to the account called ``account`` (created on ``plan`` if it does not exist, see
+    :func:`ensure_account`) in a session of its own, and commit; the secret."""
+    async with one_session(database_url) as session:
+        issued = await issue_key(session, await ensure_account(session, account, plan), name)
+        await session.commit()
+        return issued.secret
 
 
 class AccountStore:

@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from importlib import resources
 from pathlib import Path
 
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
 # migrations/ in the repository, installed as this package (pyproject.toml maps it, in a wheel as in
 # an editable install): found through the import system, never beside the source tree.
 MIGRATIONS_PACKAGE = "flatfare.migrations"
+
+# What the database being away raises: SQLAlchemy's errors, and asyncpg's refused connection, which is a
+# bare OSError.
+DATABASE_DOWN: tuple[type[Exception], ...] = (SQLAlchemyError, OSError)
 
 _ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg", "postgres": "postgresql+asyncpg"}
 
@@ -54,6 +61,24 @@ def session_factory(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     return async_sessionmaker(engine, expire_on_commit=False)
 
 
+@asynccontextmanager
+async def brief_sessions(url: str) -> AsyncIterator[async_sessionmaker[AsyncSession]]:
+    """Sessions for a short task (a CLI command, a worker reading its catalog entry) on an engine of one
+    pooled connection that is disposed when the block ends."""
+    engine = create_engine(url, pool_size=1)
+    try:
+        yield session_factory(engine)
+    finally:
+        await engine.dispose()
+
+
+@asynccontextmanager
+async def one_session(url: str) -> AsyncIterator[AsyncSession]:
+    """One session of :func:`brief_sessions`."""
+    async with brief_sessions(url) as sessions, sessions() as session:
+        yield session
+
+
 def migrations_dir() -> Path:
     """The folder of alembic's env.py and versions/, wherever Flatfare is installed."""
     return Path(str(resources.files(MIGRATIONS_PACKAGE)))
@@ -82,7 +107,3 @@ def migrate(url: str, revision: str = "head") -> None:
         return
     with ThreadPoolExecutor(max_workers=1) as pool:
         pool.submit(command.upgrade, alembic_config(url), revision).result()
-
-
-async def migrate_async(url: str, revision: str = "head") -> None:
-    await asyncio.to_thread(migrate, url, revision)
