@@ -67,10 +67,6 @@ def log_context(**fields: Any) -> Iterator[None]:
         _CONTEXT.reset(token)
 
 
-def context_fields() -> Mapping[str, Any]:
-    return _CONTEXT.get()
-
-
 def prompts_enabled() -> bool:
     """Whether prompts and outputs may be logged (``FLATFARE_LOG_PROMPTS``; off unless switched on)."""
     return _LOG_PROMPTS

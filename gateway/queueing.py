@@ -23,22 +23,12 @@ from flatfare import contract
 from flatfare.contract import Job, Lane
 from flatfare.gateway.errors import APIError
 
-# Queued = entries not yet delivered to any worker: the stream's length minus the pending ones
-# (delivered, not yet acknowledged; acknowledged entries are deleted). Checked and added atomically.
-_ADMIT = """
-local ok, pending = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[2])
-local queued = redis.call('XLEN', KEYS[1]) - (ok and pending[1] or 0)
-if queued >= tonumber(ARGV[1]) then return {0, queued} end
-local fields = {}
-for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
-local id = redis.call('XADD', KEYS[1], '*', unpack(fields))
-return {1, queued + 1, id}
-"""
-
 # KEYS: the day's quota counter, the quota epoch marker, the lane (or worker) stream, this gateway
 # process's held units. ARGV: limit (-1: none), counter expiry, lane bound, consumer group, request
 # id, "account:day", the job's fields... Returns {-1, 0}: counters being rebuilt; {0, used}: quota
 # spent; {2, used, queued}: lane full; {1, used, queued, entry id, generation}: counted, held, queued.
+# Queued = entries not yet delivered to any worker: the stream's length minus the pending ones
+# (delivered, not yet acknowledged; acknowledged entries are deleted).
 _ADMIT_COUNTED = QUOTA_CHECK + """
 local ok, pending = pcall(redis.call, 'XPENDING', KEYS[3], ARGV[4])
 local queued = redis.call('XLEN', KEYS[3]) - (ok and pending[1] or 0)
@@ -151,7 +141,6 @@ class LaneQueue:
         # This gateway process's held-units hash (contract.held_units): every admitted unit is held
         # there until its request settles.
         self.holder = holder or contract.held_units(uuid.uuid4().hex[:16])
-        self._admit = redis.register_script(_ADMIT)
         self._admit_counted = redis.register_script(_ADMIT_COUNTED)
         self._withdraw = redis.register_script(_WITHDRAW)
         self._limits = limits
@@ -162,8 +151,8 @@ class LaneQueue:
         """Count the request against its quota, hold the unit, and queue its job, in one script.
 
         Raises :class:`QuotaSpent` (nothing counted), 429 ``queue_full`` (nothing counted),
-        :class:`~flatfare.billing.quota.QuotaUnavailable` when Redis is unreachable or the counters cannot be
-        rebuilt."""
+        :class:`~flatfare.billing.quota.QuotaUnavailable` when the script cannot run or the counters cannot be
+        rebuilt, and redis-py's own error when Redis cannot be reached before it (for the lane's drain rate)."""
         max_depth, rate = await self._bound(job.lane, pool)
         target = stream or contract.job_stream(pool, job.lane)
         keys = [counter_key(claim.account_id, claim.day), EPOCH_KEY, target, self.holder]
@@ -203,22 +192,6 @@ class LaneQueue:
         if rate > 0:
             return min(limits.max_depth, max(1, int(rate * limits.max_wait_s))), rate
         return limits.max_depth, rate
-
-    async def submit(self, job: Job, pool: str, stream: str | None = None) -> Queued:
-        """Queue ``job`` on its lane of ``pool`` (or on a routed worker's ``stream``).
-
-        Raises 429 with Retry-After when the lane holds its maximum depth, or as many jobs as it
-        drains in its maximum wait at the recent drain rate.
-        """
-        max_depth, rate = await self._bound(job.lane, pool)
-        target = stream or contract.job_stream(pool, job.lane)
-        allowed, depth, *entry = await self._admit(keys=[target], args=[max_depth, contract.POOL_GROUP, *_flat(job)])
-        if stream is None:
-            self.drain.saw(pool, job.lane, int(depth) - 1 if allowed else int(depth))
-        if not allowed:
-            raise _full(job.lane, int(depth), retry_after(int(depth), rate))
-        entry_id = entry[0].decode() if isinstance(entry[0], bytes) else entry[0]
-        return Queued(stream=target, entry_id=entry_id, depth=int(depth))
 
     async def withdraw(self, queued: Queued) -> bool:
         """True if the job was still waiting and is now gone; False if a worker has it."""

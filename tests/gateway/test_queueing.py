@@ -1,17 +1,27 @@
 """Lane admission against a real redis-server: depth bounds, and the drain-rate bound that only a
-sustained backlog may set."""
+sustained backlog may set. Jobs go in as production puts them, through ``LaneQueue.admit`` (the same
+script counts the quota; here an unlimited account's, so only the lane's bound refuses)."""
 
 from __future__ import annotations
+
+from datetime import UTC, datetime
 
 import pytest
 
 from flatfare import contract
+from flatfare.billing.plans import quota_window
+from flatfare.billing.quota import EPOCH_KEY, expiry
 from flatfare.contract import Endpoint, Job, Lane
 from flatfare.gateway.errors import APIError
-from flatfare.gateway.queueing import DrainRate, LaneLimits, LaneQueue
+from flatfare.gateway.queueing import Admitted, DrainRate, LaneLimits, LaneQueue, QuotaClaim
 
 POOL = "m"
 
+
+@pytest.fixture
+async def redis(redis):  # conftest's client, with the quota counters trusted (the epoch marker set)
+    await redis.set(EPOCH_KEY, 1)
+    return redis
 
 
 class Clock:
@@ -32,12 +42,17 @@ def _job(i: int) -> Job:
     return Job(request_id=f"r{i}", endpoint=Endpoint.CHAT, body="{}", enqueued_ms=0)
 
 
+async def _admit(queue: LaneQueue, i: int) -> Admitted:
+    window = quota_window("UTC", datetime.now(UTC))
+    return await queue.admit(_job(i), POOL, QuotaClaim(1, window.day, None, expiry(window.resets_at)))
+
+
 async def test_the_static_depth_bound_refuses_at_once(redis) -> None:
     queue = _queue(redis, Clock(), max_depth=3)
     for i in range(3):
-        await queue.submit(_job(i), POOL)
+        await _admit(queue, i)
     with pytest.raises(APIError) as refused:
-        await queue.submit(_job(3), POOL)
+        await _admit(queue, 3)
     assert refused.value.status == 429 and refused.value.code == "queue_full"
     assert await redis.xlen(contract.job_stream(POOL, Lane.STANDARD)) == 3  # nothing added
 
@@ -49,12 +64,12 @@ async def test_a_burst_after_a_trickle_is_not_bounded_by_the_trickle(redis) -> N
     queue = _queue(redis, clock, max_wait_s=2.0)
     stream = contract.job_stream(POOL, Lane.STANDARD)
     for i in range(6):  # one request every 3 s, each taken at once: the lane is empty at every admission
-        await queue.submit(_job(i), POOL)
+        await _admit(queue, i)
         await redis.delete(stream)
         await redis.incr(contract.drained_key(POOL, Lane.STANDARD))
         clock.now += 3
     for i in range(6, 46):  # then forty at once
-        await queue.submit(_job(i), POOL)
+        await _admit(queue, i)
     assert await redis.xlen(stream) == 40
 
 
@@ -63,14 +78,14 @@ async def test_a_sustained_backlog_is_bounded_by_its_drain_rate(redis) -> None:
     queue = _queue(redis, clock, max_wait_s=2.0)
     drained = contract.drained_key(POOL, Lane.STANDARD)
     for i in range(8):  # a backlog from the start
-        await queue.submit(_job(i), POOL)
+        await _admit(queue, i)
     refused = None
     for step in range(1, 12):  # workers take 3 jobs a second; 8 more arrive each second
         clock.now += 1
         await redis.incrby(drained, 3)
         try:
             for i in range(8):
-                await queue.submit(_job(100 * step + i), POOL)
+                await _admit(queue, 100 * step + i)
         except APIError as exc:
             refused = exc
             break
