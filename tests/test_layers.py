@@ -81,7 +81,7 @@ def test_bare_imports_finder_catches_each_form() -> None:
 def test_no_bare_top_level_imports() -> None:
     found = [f"{path.relative_to(REPO)}:{line}: {name}"
              for path in python_files() for line, name in bare_imports(path.read_text(encoding="utf-8"))]
-    assert len(found) == 0, "import these as flatfare.gateway / flatfare.workers / flatfare.billing:\n" + "\n".join(found)
+    assert not found, "import these as flatfare.gateway / flatfare.workers / flatfare.billing:\n" + "\n".join(found)
 
 
 if __name__ == "__main__":
