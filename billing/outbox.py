@@ -21,11 +21,11 @@ from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from flatfare.billing.stripe_client import BillingError, StripeGateway
+from flatfare.contract import OUTBOX_LEADER_KEY as LEADER_KEY
 from flatfare.storage.models import Account, OutboxStatus, RequestRecord, UsageOutbox
 
 log = logging.getLogger("flatfare.billing")
 
-LEADER_KEY = "ff:billing:outbox-leader"
 BATCH = 100
 MAX_BACKOFF_S = 3600
 

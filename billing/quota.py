@@ -1,11 +1,12 @@
 """Exact daily request quotas in Redis, shared by every gateway process.
 
-Check-and-count is one Lua script: it reads the day's counter, refuses at the limit, otherwise
+Check-and-count is Lua (:data:`QUOTA_CHECK`, :data:`QUOTA_COUNT`) that the gateway's admission script
+runs (gateway/queueing.py, ``LaneQueue.admit``): it reads the day's counter, refuses at the limit, otherwise
 increments and sets the expiry, atomically, so any number of gateways agree. A request that fails
 before its first token gives its unit back. If Redis is unreachable the caller gets
 :class:`QuotaUnavailable` (the gateway answers 503: fail closed, never per-process counters).
 
-Counters are only trusted while the marker key ``ff:quota:epoch`` exists. A Redis that lost its
+Counters are only trusted while the marker key ``contract.QUOTA_EPOCH_KEY`` exists. A Redis that lost its
 data (restart without persistence, failover, flush) has no marker: the script then refuses to
 count, and :meth:`DailyQuota.rebuild` recomputes the recent days' counters from the SQL ledger
 before setting the marker again. The marker's value is the counters' generation: a new one each
@@ -15,7 +16,7 @@ Every counted unit is also *held* by the gateway process that counted it, in tha
 ``contract.held_units(gateway_id)`` (request id -> "account:day"), until the request is settled:
 a billable request releases it, a free one gives it back. The give-back script removes the held
 entry and decrements in one step, so a unit is given back at most once, whoever does it: the
-gateway itself, or the reaper (gateway/held.py) for a gateway that died with units held.
+gateway itself, or the reaper (billing/held.py) for a gateway that died with units held.
 """
 
 from __future__ import annotations
@@ -23,20 +24,24 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-EPOCH_KEY = "ff:quota:epoch"
-REBUILD_LOCK_KEY = "ff:quota:rebuilding"
+# The keys are the contract's; this module's names for them are the ones its importers know.
+from flatfare.contract import QUOTA_EPOCH_KEY as EPOCH_KEY
+from flatfare.contract import QUOTA_REBUILD_LOCK_KEY as REBUILD_LOCK_KEY
+from flatfare.contract import quota_counter_key as counter_key
+from flatfare.contract import quota_counters_of_day
+
 # Counters outlive their day by this much, so a late give-back still finds them.
 EXPIRY_SLACK_S = 3600
 
-# The quota's check, shared with the gateway's admission script (gateway/queueing.py), which also
-# puts the job on its lane in the same script. KEYS[1]: the day's counter, KEYS[2]: the epoch marker;
-# ARGV[1]: the limit (-1: none). Leaves ``used``; returns early when the request may not be counted.
+# The quota's check, run by the gateway's admission script (gateway/queueing.py), which also puts
+# the job on its lane in the same script: the one place a request is counted. KEYS[1]: the day's
+# counter, KEYS[2]: the epoch marker; ARGV[1]: the limit (-1: none). Leaves ``used``; returns early
+# when the request may not be counted.
 QUOTA_CHECK = """
 local generation = redis.call('GET', KEYS[2])
 if not generation then return {-1, 0} end
@@ -48,7 +53,6 @@ QUOTA_COUNT = """
 used = redis.call('INCR', KEYS[1])
 redis.call('EXPIREAT', KEYS[1], ARGV[2])
 """
-_TAKE = QUOTA_CHECK + QUOTA_COUNT + "return {1, used}\n"
 REBUILT = -1
 
 # KEYS: the day's counter, the holder's hash, the epoch marker; ARGV: the request id, the generation
@@ -68,24 +72,9 @@ class QuotaUnavailable(Exception):
     """Redis cannot be reached, so no request may be counted (and none is let through)."""
 
 
-def counter_key(account_id: int, day: str) -> str:
-    return f"ff:quota:{account_id}:{day}"
-
-
 def expiry(resets_at: datetime) -> int:
     """When a day's counter may go (unix seconds)."""
     return int(resets_at.timestamp()) + EXPIRY_SLACK_S
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    allowed: bool
-    used: int
-    limit: int | None
-
-    @property
-    def remaining(self) -> int | None:
-        return None if self.limit is None else max(self.limit - self.used, 0)
 
 
 # (account_id, day) -> billable requests, for the days to rebuild, leaving out the request ids given.
@@ -95,23 +84,8 @@ LedgerCounts = Callable[[list[str], tuple[str, ...]], Awaitable[dict[tuple[int, 
 class DailyQuota:
     def __init__(self, redis: aioredis.Redis, ledger_counts: LedgerCounts) -> None:
         self._redis = redis
-        self._take = redis.register_script(_TAKE)
         self._give_back = redis.register_script(_GIVE_BACK)
         self._ledger_counts = ledger_counts
-
-    async def take(self, account_id: int, day: str, limit: int | None, resets_at: datetime) -> Decision:
-        """Count one request against the day, unless the limit is reached."""
-        expire_at = expiry(resets_at)
-        key = counter_key(account_id, day)
-        for _ in range(50):
-            try:
-                allowed, used = await self._take(keys=[key, EPOCH_KEY], args=[-1 if limit is None else limit, expire_at])
-            except (RedisError, OSError) as exc:
-                raise QuotaUnavailable(str(exc)) from exc
-            if allowed != REBUILT:
-                return Decision(allowed=bool(allowed), used=int(used), limit=limit)
-            await self.rebuild(day)
-        raise QuotaUnavailable("the quota counters are being rebuilt; retry shortly")
 
     async def give_back(self, account_id: int, day: str, request_id: str, holder: str, generation: str) -> bool:
         """Give back the unit ``holder`` (a held-units hash) holds for the request; False if it was
@@ -150,7 +124,7 @@ class DailyQuota:
                 counts = await self._ledger_counts(days, not_counted)
                 stale: list[bytes] = []
                 for count_day in days:
-                    stale += [key async for key in self._redis.scan_iter(match=f"ff:quota:*:{count_day}")]
+                    stale += [key async for key in self._redis.scan_iter(match=quota_counters_of_day(count_day))]
                 async with self._redis.pipeline(transaction=True) as pipe:
                     if stale:
                         pipe.delete(*stale)

@@ -132,6 +132,31 @@ def worker_key(worker_id: str) -> str:
     return f"{PREFIX}:worker:{worker_id}"
 
 
+# Daily quotas (flatfare.billing.quota): the counters are trusted only while the epoch marker exists;
+# its value is their generation, a new one each rebuild from the ledger, which holds the lock.
+QUOTA_EPOCH_KEY = f"{PREFIX}:quota:epoch"
+QUOTA_REBUILD_LOCK_KEY = f"{PREFIX}:quota:rebuilding"
+
+
+def quota_counter_key(account_id: int, day: str) -> str:
+    """An account's count of requests on one quota day."""
+    return f"{PREFIX}:quota:{account_id}:{day}"
+
+
+def quota_counters_of_day(day: str) -> str:
+    """A SCAN pattern: every account's :func:`quota_counter_key` of ``day``."""
+    return f"{PREFIX}:quota:*:{day}"
+
+
+def grammars_key(account_id: int) -> str:
+    """The output grammars an account had compiled recently (a sorted set, by first use in ms)."""
+    return f"{PREFIX}:grammars:{account_id}"
+
+
+# The gateway process that delivers the meter-event outbox to Stripe holds this lease (its id).
+OUTBOX_LEADER_KEY = f"{PREFIX}:billing:outbox-leader"
+
+
 class Endpoint(StrEnum):
     CHAT = "chat"
     COMPLETION = "completion"
@@ -218,15 +243,21 @@ class Usage:
     completion_tokens: int = 0
 
 
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error envelope: the body of every error answer, and the data of an ``ERROR`` reply."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
 @dataclass(frozen=True, slots=True)
 class Reply:
     """One entry of a reply stream.
 
     ``data`` is, by kind: CHUNK, the JSON of one SSE event (without ``data: ``); RESPONSE, the
-    JSON body; ERROR, the OpenAI error body; END and HELD, empty. ``status`` is the HTTP status for
-    RESPONSE and ERROR. ``usage`` is set on RESPONSE and END. ``started_ms`` (the worker's wall
-    clock when it took the job) is on the first CHUNK and on terminal replies; ``first_token_ms``
-    (when the engine produced its first output, 0 when none came) is on terminal replies.
+    JSON body; ERROR, the OpenAI error body (:func:`error_body`); END and HELD, empty. ``status``
+    is the HTTP status for RESPONSE and ERROR. ``usage`` is set on RESPONSE and END.
+    ``started_ms`` (the worker's wall clock when it took the job) is on the first CHUNK and on
+    terminal replies; ``first_token_ms`` (when the engine produced its first output, 0 when none
+    came) is on terminal replies.
     """
 
     kind: ReplyKind

@@ -12,6 +12,8 @@ from redis.exceptions import RedisError
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from flatfare import contract
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -31,8 +33,7 @@ _TYPES = {
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None,
                type_: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_ or _TYPES.get(status, "api_error"),
-                      "param": param, "code": code}}
+    return contract.error_body(message, type_ or _TYPES.get(status, "api_error"), param, code)
 
 
 class ErrorDetail(BaseModel):

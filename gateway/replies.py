@@ -29,7 +29,6 @@ from redis.exceptions import RedisError
 
 import orjson
 
-from flatfare.billing.quota import EPOCH_KEY
 from flatfare import contract
 from flatfare.contract import Reply, ReplyKind
 from flatfare.redis_conn import SOCKET_TIMEOUT_S, without_read_timeouts
@@ -284,7 +283,7 @@ class ReplyRouter:
                                 pipe.expire(self.stream, contract.REPLY_TTL_S)
                             pipe.xread({self.stream: last}, count=_READ_COUNT, block=_BLOCK_MS)
                             if check:  # after the blocking read, so that it is fresh when it comes
-                                pipe.get(EPOCH_KEY)
+                                pipe.get(contract.QUOTA_EPOCH_KEY)
                             results = await pipe.execute()
                         result = results[-2] if check else results[-1]
                     else:  # one command: at one request in flight, a read per reply

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flatfare.contract import Endpoint
+from flatfare.contract import Endpoint, error_body
 
 
 # vLLM fetches a request's media URLs itself (aiohttp, which honours HTTPS_PROXY). The gateway checked
@@ -237,5 +237,4 @@ def _use_logging_config(config: dict[str, Any]) -> None:
 
 
 def _error(status: int, message: str, param: str | None) -> dict[str, Any]:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return error_body(message, "invalid_request_error" if status < 500 else "server_error", param)

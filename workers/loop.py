@@ -62,8 +62,8 @@ class _Checks:
 
 
 def _error(status: int, message: str, code: str, kind: str = "server_error") -> Reply:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
-    return Reply(ReplyKind.ERROR, json.dumps(body), status=status, started_ms=now_ms())
+    return Reply(ReplyKind.ERROR, json.dumps(contract.error_body(message, kind, code=code)), status=status,
+                 started_ms=now_ms())
 
 
 def _usage(payload: dict[str, Any]) -> Usage | None:

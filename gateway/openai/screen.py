@@ -25,13 +25,13 @@ from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 
+from flatfare.contract import grammars_key
 from flatfare.gateway.openai import grammar_caps, media
 from flatfare.gateway.errors import APIError
 from flatfare.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 # host -> the addresses it resolves to, as text ("93.184.216.34", "2606:4700::1111").
 Resolver = Callable[[str], Awaitable[list[str]]]
-GRAMMARS_KEY = "ff:grammars:{account_id}"
 _WINDOW_S = 60
 # A sliding window (a sorted set of digests by first use, in ms): one seen within the last window is
 # free; a new one past the limit is refused ({0, ms until the oldest leaves}); else remembered.
@@ -96,9 +96,9 @@ class RequestScreen:
             media.check_address(ref, ipaddress.ip_address(address))
 
     async def check_grammar(self, account_id: int, digest: str) -> None:
-        key = GRAMMARS_KEY.format(account_id=account_id)
         allowed, wait_ms = await self._new_grammar(
-            keys=[key], args=[digest, self.new_grammars_per_minute, int(time.time() * 1000), _WINDOW_S * 1000])
+            keys=[grammars_key(account_id)],
+            args=[digest, self.new_grammars_per_minute, int(time.time() * 1000), _WINDOW_S * 1000])
         if not allowed:
             retry = max(int(wait_ms) // 1000 + 1, 1)
             raise APIError(429, f"This account sent {self.new_grammars_per_minute} different output schemas, "
