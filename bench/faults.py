@@ -4,10 +4,12 @@ Each scenario starts its own platform (``Rig``: Redis, SQLite or a private Postg
 gateway processes, Stripe's edge), drives it with real HTTP clients, injects one kind of fault, lets
 the platform settle, then audits every account of the money: requests the clients sent, answered,
 failed cleanly (an OpenAI error body, or an error event closing a stream), cut (the connection of
-a gateway that was killed), **lost** (no answer and no clean error, or a hang), **charged twice**
-(a request billed more than once, at the ledger or at Stripe), and the quota units counted in Redis
-against billable ledger rows, outbox rows and the meter events Stripe kept. The goal in every row:
-0 lost, 0 charged twice, counted = ledger = outbox = Stripe.
+a gateway that was killed), **lost** (no answer and no clean error, or a hang), and the money
+(bench/audit.py): requests **billed twice** in the ledger, meter events **sent twice** to Stripe
+(its edge records every call, those it refuses included), billable requests Stripe never kept and
+events it got for requests not billable, and the quota units counted in Redis against billable
+ledger rows and units given back. The goal in every row: 0 lost, 0 billed or sent twice, 0 missing
+or extra, 0 units unaccounted, counted = ledger = outbox = Stripe.
 
 ``python -m bench faults`` writes bench/results/faults.md and faults.csv; tests/faults runs the same
 scenarios with fewer repetitions.
@@ -36,6 +38,8 @@ import orjson
 import redis as redis_py
 from sqlalchemy import create_engine, text
 
+from bench.audit import Audit, read_books, sync_url
+from bench.audit import audit as audit_books
 from bench.postgres import PrivatePostgres, postgres_unavailable
 from bench.procs import Service, Services, free_port
 from bench.stripe_edge import StripeEdge
@@ -137,6 +141,21 @@ class Rig:
                 "VLLM_NO_USAGE_STATS": "1"}
 
     def start(self) -> Rig:
+        self.start_books()
+        for index in range(self.workers):
+            self.worker_procs.append(self._worker(index))
+        for worker in self.worker_procs:
+            self.wait_worker(worker)
+        self.ports = [free_port() for _ in range(self.gateways)]
+        self.dead_ports = set(self.ports)  # none answers yet
+        self.gateway_procs = [None] * self.gateways
+        for index in range(self.gateways):
+            self.start_gateway(index)
+        return self
+
+    def start_books(self) -> Rig:
+        """Where the money is recorded, without a process to move it: Stripe's edge, Redis, the
+        migrated database and the account with its key (tests/faults/test_audit.py plants faults in them)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.edge = StripeEdge(seed=7).start()
         self.redis = LocalRedis(self.workdir / "redis", persist=self.persist_redis).start()
@@ -158,15 +177,6 @@ class Rig:
                  limit=self.daily_limit, price=PRICE_MICROS)
         self.sql("UPDATE accounts SET stripe_customer_id = 'cus_faults' WHERE name = :name", name=ACCOUNT)
         self.account_id = self.sql("SELECT id FROM accounts WHERE name = :name", name=ACCOUNT)[0][0]
-        for index in range(self.workers):
-            self.worker_procs.append(self._worker(index))
-        for worker in self.worker_procs:
-            self.wait_worker(worker)
-        self.ports = [free_port() for _ in range(self.gateways)]
-        self.dead_ports = set(self.ports)  # none answers yet
-        self.gateway_procs = [None] * self.gateways
-        for index in range(self.gateways):
-            self.start_gateway(index)
         return self
 
     def _worker(self, index: int) -> Service:
@@ -244,9 +254,7 @@ class Rig:
     # ---- look ----
 
     def sql(self, query: str, **params: object) -> list[tuple]:
-        url = self.database_url.replace("sqlite+aiosqlite", "sqlite").replace("postgresql://",
-                                                                              "postgresql+psycopg://")
-        engine = create_engine(url)
+        engine = create_engine(sync_url(self.database_url))
         try:
             with engine.begin() as conn:
                 result = conn.execute(text(query), params)
@@ -255,25 +263,9 @@ class Rig:
             engine.dispose()
 
     def audit(self) -> Audit:
+        """Every account of the money (bench.audit), from the ledger, Redis and Stripe's edge."""
         assert self.redis is not None and self.edge is not None
-        account = self.account_id
-        days = dict(self.sql("SELECT quota_day, count(*) FROM requests WHERE account_id = :a AND billable "
-                             "GROUP BY quota_day", a=account))
-        rows, open_rows = self.sql("SELECT count(*), coalesce(sum(CASE WHEN status = 'queued' THEN 1 ELSE 0 END), 0) "
-                                   "FROM requests WHERE account_id = :a", a=account)[0]
-        outbox, sent = self.sql("SELECT count(*), coalesce(sum(CASE WHEN status = 'sent' THEN 1 ELSE 0 END), 0) "
-                                "FROM usage_outbox WHERE account_id = :a", a=account)[0]
-        client = redis_py.Redis.from_url(self.redis.url)
-        try:
-            counters = {key.decode().rsplit(":", 1)[1]: int(client.get(key) or 0)
-                        for key in client.scan_iter(match=f"ff:quota:{account}:*")}
-        finally:
-            client.close()
-        charged = Counter(e["identifier"] for e in self.edge.meter_events)
-        return Audit(rows=int(rows), open_rows=int(open_rows), billable_by_day={str(k): int(v) for k, v in days.items()},
-                     counted_by_day={k: v for k, v in counters.items() if v}, outbox=int(outbox), outbox_sent=int(sent),
-                     stripe_events=len(self.edge.meter_events), stripe_calls=sum(self.edge.deliveries.values()),
-                     charged_twice=sum(1 for n in charged.values() if n > 1))
+        return audit_books(read_books(self.database_url, self.redis.url, self.edge.received))
 
     def settle(self, timeout_s: float = 45.0) -> Audit:
         """Wait until nothing is open, every unit is accounted for and Stripe has every event."""
@@ -283,32 +275,6 @@ class Rig:
             if audit.settled or time.monotonic() > deadline:
                 return audit
             time.sleep(0.5)
-
-
-@dataclass
-class Audit:
-    rows: int
-    open_rows: int
-    billable_by_day: dict[str, int]
-    counted_by_day: dict[str, int]
-    outbox: int
-    outbox_sent: int
-    stripe_events: int
-    stripe_calls: int
-    charged_twice: int
-
-    @property
-    def billable(self) -> int:
-        return sum(self.billable_by_day.values())
-
-    @property
-    def counted(self) -> int:
-        return sum(self.counted_by_day.values())
-
-    @property
-    def settled(self) -> bool:
-        return (self.open_rows == 0 and self.counted_by_day == self.billable_by_day
-                and self.billable == self.outbox == self.outbox_sent == self.stripe_events)
 
 
 # -- the clients ----------------------------------------------------------------------------------
@@ -613,8 +579,9 @@ def run_scenario(scenario: Scenario, workdir: Path, reps: int) -> Row:
 
 # -- the report -----------------------------------------------------------------------------------
 
-COLUMNS = ["fault", "reps", "sent", "answered", "failed cleanly", "cut", "lost", "charged twice",
-           "units counted", "ledger billable", "outbox", "Stripe events", "Stripe calls", "open rows", "ok", "commit"]
+COLUMNS = ["fault", "reps", "sent", "answered", "failed cleanly", "cut", "lost", "billed twice", "sent twice",
+           "units counted", "ledger billable", "given back", "unaccounted", "outbox", "Stripe kept",
+           "Stripe missing / extra", "Stripe calls", "open rows", "ok", "commit"]
 
 
 def _cells(row: Row, commit: str) -> list[str]:
@@ -625,15 +592,16 @@ def _cells(row: Row, commit: str) -> list[str]:
         return [row.fault, "0", *(["-"] * (len(COLUMNS) - 4)), row.note, commit]
     return [row.fault, str(row.repetitions), str(tally.sent), str(tally.answered),
             f"{failed}" + (f" ({codes})" if codes else ""), str(tally.cut), str(tally.lost),
-            str(audit.charged_twice), _by_day(audit.counted_by_day), _by_day(audit.billable_by_day),
-            str(audit.outbox), str(audit.stripe_events), str(audit.stripe_calls), str(audit.open_rows),
-            "yes" if _ok(row) else "NO", commit]
+            str(len(audit.billed_twice)), str(sum(audit.sent_twice.values())), _by_day(audit.counted_by_day),
+            _by_day(audit.billable_by_day), str(audit.given_back), str(sum(abs(n) for n in audit.unaccounted.values())),
+            str(audit.outbox), str(audit.stripe_events), f"{len(audit.stripe_missing)} / {len(audit.stripe_extra)}",
+            f"{audit.stripe_calls}" + (f" ({audit.stripe_replays} replays)" if audit.stripe_replays else ""),
+            str(audit.open_rows), "yes" if _ok(row) else "NO", commit]
 
 
 def _ok(row: Row) -> bool:
     tally, audit = row.tally, row.audit
-    return (audit is not None and tally.answered > 0 and tally.lost == 0 and audit.charged_twice == 0
-            and audit.settled)
+    return audit is not None and tally.answered > 0 and tally.lost == 0 and audit.clean
 
 
 def _by_day(by_day: dict[str, int]) -> str:
@@ -672,9 +640,15 @@ def write(rows: list[Row], out: Path, commit: str, *, merge: bool) -> None:
 
 
 HEADER = ("# Faults under load\n\n`python -m bench faults`, {date}, {cores} cores (see bench/faults.py for each "
-          "scenario's load and fault; the commit column says which code each row ran). lost = no answer and no "
-          "clean error; cut = the connection of a killed gateway; ok = some answered, 0 lost, 0 charged twice, "
-          "counted = ledger = outbox = Stripe, no open row.")
+          "scenario's load and fault, bench/audit.py for each account of the money; the commit column says which "
+          "code each row ran). lost = no answer and no clean error; cut = the connection of a killed gateway; "
+          "billed twice = request ids with more than one billable ledger row; sent twice = meter events sent "
+          "again for an identifier Stripe had kept (Stripe refuses them; its edge records every call); given "
+          "back = rows closed free, whose units went back; unaccounted = quota units counted in Redis minus "
+          "billable rows, per account and day; Stripe missing / extra = billable requests Stripe never kept / "
+          "meter events for requests not billable; replays = retries under the same Idempotency-Key after a "
+          "lost answer (Stripe answers them again, billing nothing new). ok = some answered, 0 lost, 0 billed "
+          "twice, 0 sent twice, 0 unaccounted, 0 missing, 0 extra, counted = ledger = outbox = Stripe, no open row.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

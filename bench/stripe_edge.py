@@ -1,8 +1,10 @@
 """Stripe's network edge, for tests and the fault benchmark: forwards to localstripe, and answers what
 localstripe lacks (Checkout, the portal, meter events) the way Stripe documents it.
 
-Meter events: one per ``identifier`` (a second one with a new identifier-less retry is refused with
-Stripe's 400), and an ``Idempotency-Key`` replays the first answer. Faults on demand: the next
+Meter events: one kept per ``identifier`` (a second one is refused with Stripe's 400), and an
+``Idempotency-Key`` replays the first answer. Every meter-event call is recorded in ``received``
+with what it was answered, duplicates included, so an audit can count the events sent twice (which
+Stripe refuses, and so would never show among those it kept). Faults on demand: the next
 ``fail_meter_events`` calls answer 500; a fraction ``failure_rate`` answer 500 or 503 at random; a
 fraction ``lost_answer_rate`` record the event, then hold the answer past the client's timeout (the
 worst case for a sender: Stripe has it, the sender does not know).
@@ -14,6 +16,8 @@ import asyncio
 import random
 import threading
 from collections import Counter
+from dataclasses import dataclass
+from enum import StrEnum
 
 import httpx
 from aiohttp import web
@@ -21,12 +25,32 @@ from aiohttp import web
 from flatfare.redis_local import free_port
 
 
+class Answer(StrEnum):
+    """What the edge did with a meter-event call."""
+
+    KEPT = "kept"  # a new identifier: Stripe bills it
+    REPLAYED = "replayed"  # an Idempotency-Key seen before: the first answer again, nothing new billed
+    DUPLICATE = "duplicate"  # an identifier kept before, under another key: refused with a 400
+    FAILED = "failed"  # a fault on demand (500/503): nothing kept
+
+
+@dataclass(frozen=True, slots=True)
+class MeterCall:
+    """One meter-event call that reached the edge."""
+
+    identifier: str
+    idempotency_key: str
+    answer: Answer
+    form: dict[str, str]
+
+
 class StripeEdge:
     def __init__(self, upstream: str = "", *, seed: int = 0) -> None:
         self.upstream = upstream
         self.port = free_port()
         self.checkouts: list[dict[str, str]] = []
-        self.meter_events: list[dict[str, str]] = []  # accepted, one per identifier
+        self.meter_events: list[dict[str, str]] = []  # kept, one per identifier
+        self.received: list[MeterCall] = []  # every meter-event call, in order, whatever it was answered
         self.deliveries: Counter[str] = Counter()  # identifier -> calls that reached the edge
         self.fail_meter_events = 0
         self.failure_rate = 0.0
@@ -43,23 +67,33 @@ class StripeEdge:
         return f"http://127.0.0.1:{self.port}"
 
     def duplicates(self) -> int:
-        """Identifiers Stripe would have billed more than once (0 unless the edge itself is broken)."""
-        return sum(count - 1 for count in Counter(e["identifier"] for e in self.meter_events).values() if count > 1)
+        """Meter events sent again for an identifier already kept, under another Idempotency-Key: each
+        would be billed again by a Stripe that did not check identifiers."""
+        return sum(1 for call in self.received if call.answer is Answer.DUPLICATE)
 
     async def _meter_event(self, request: web.Request, form: dict[str, str]) -> web.Response:
         identifier = form.get("identifier", "")
+        key = request.headers.get("Idempotency-Key", "")
         self.deliveries[identifier] += 1
+
+        def record(answer: Answer) -> None:
+            self.received.append(MeterCall(identifier, key, answer, form))
+
         if self.fail_meter_events > 0:
             self.fail_meter_events -= 1
+            record(Answer.FAILED)
             return _error(500, "api_error", "try later")
         if self._random.random() < self.failure_rate:
+            record(Answer.FAILED)
             return _error(self._random.choice((500, 503)), "api_error", "try later")
-        key = request.headers.get("Idempotency-Key", "")
         if key in self._answers:
+            record(Answer.REPLAYED)
             return web.json_response(self._answers[key])
         if identifier in self._identifiers:
+            record(Answer.DUPLICATE)
             return _error(400, "invalid_request_error", f"An event with identifier {identifier} already exists.")
         self._identifiers.add(identifier)
+        record(Answer.KEPT)
         self.meter_events.append(form)
         answer = {"object": "billing.meter_event", "event_name": form["event_name"], "identifier": identifier,
                   "payload": {}, "timestamp": 0, "created": 0, "livemode": False}
