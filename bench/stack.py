@@ -15,8 +15,6 @@ from pathlib import Path
 from bench.procs import Service, Services, free_port, pinned
 from flatfare.redis_local import LocalRedis
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
 
 def _pin_all_threads(pid: int, cpus: str | None) -> None:
     if cpus is not None:
@@ -113,8 +111,7 @@ class FlatfareStack:
             "FLATFARE_DATABASE_URL": self.postgres.url if self.postgres else
             f"sqlite+aiosqlite:///{self.workdir / 'flatfare.db'}",
             "FLATFARE_REDIS_URL": self.redis.url,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")])),
-        })
+        })  # No checkout on PYTHONPATH: its bare flatfare/ would shadow an installed wheel (the GPU machine's)
         env.update(self.extra_env)
         return env
 
