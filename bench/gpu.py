@@ -3,12 +3,15 @@
 The device machine has no network and keeps ``/tmp`` only while it stays warm, so the run is three
 steps (see docs/PERFORMANCE.md for the exact device calls):
 
-1. ``python -m bench gpu prepare`` (here): Flatfare's own dependencies the device lacks, as cp312
-   ``--no-deps`` wheels, py-spy, and a ``redis-server`` with its two libraries, into ``.gpu_wheels/``
-   (git-ignored, ~22 MiB); the vLLM payload comes from ``shared/device/prepare_vllm_payload.sh``.
-2. ``python -m bench gpu plan``: prints the device calls; each runs ``bench/gpu_device.sh`` there,
-   which runs ``python -m bench engine`` on the 8B or 1B shape (both systems, one server start each,
-   repeated load runs against it) and leaves a ``.tgz`` per shape, and the 1B offline engine rate.
+1. ``python -m bench gpu prepare`` (here): Flatfare's own wheel, built offline from the checkout, the
+   dependencies the device lacks, as cp312 ``--no-deps`` wheels, py-spy, and a ``redis-server`` with its
+   two libraries, into ``.gpu_wheels/`` (~22 MiB); the vLLM payload comes from
+   ``shared/device/prepare_vllm_payload.sh``.
+2. ``python -m bench gpu plan``: prints the device calls; each runs ``bench/gpu_device.sh`` there, which
+   installs the wheels into ``/tmp/ffsite`` (Flatfare runs from its wheel, never from the source tree:
+   ``flatfare.gateway`` and the rest exist only through the wheel's package-dir mapping), then runs
+   ``python -m bench engine`` on the 8B or 1B shape (both systems, one server start each, repeated load
+   runs against it) and leaves a ``.tgz`` per shape, and the 1B offline engine rate.
 3. ``python -m bench gpu report DIR_OR_TGZ_OR_JSON ...`` (here): turns what came back into
    ``bench/results/engine_gpu-*.md/.csv/.png``, with the issue's goals beside the ratios.
 """
@@ -24,6 +27,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +35,8 @@ from typing import Any
 from bench import engine, report
 
 WHEELS_DIR = report.REPO_ROOT / ".gpu_wheels"
+# bench/gpu_device.sh installs the one wheel in here (install-flatfare); the dependencies' wheels are in whl/.
+FLATFARE_WHEEL_DIR = "flatfare"
 # What Flatfare imports that the device image (Ubuntu 24.04, Python 3.12) lacks, or has too old; the
 # versions are the ones Flatfare is tested with here. fastapi, starlette, uvicorn and pydantic come with
 # the vLLM payload. httptools is what `pip install vllm` brings (through fastapi[standard]) and what
@@ -64,17 +70,55 @@ OFFLINE_REFERENCE = {"1b": [22158.0, 22802.0], "8b": [7068.0, 7169.0]}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="gpu_command", required=True)
-    sub.add_parser("prepare", help="download the device wheels and redis-server into .gpu_wheels/")
+    sub.add_parser("prepare", help="build Flatfare's wheel, download the device wheels and redis-server into "
+                   ".gpu_wheels/")
     sub.add_parser("plan", help="print the device calls to make")
     rep = sub.add_parser("report", help="turn fetched result folders or .tgz files into tables and plots")
     rep.add_argument("paths", nargs="+", type=Path)
     rep.add_argument("--out", type=Path, default=report.RESULTS_DIR)
 
 
+def _package_folders(setuptools: dict[str, Any]) -> set[str]:
+    """The checkout's top-level folders that hold the wheel's packages, pyproject's package-dir mapping
+    applied (flatfare.gateway comes from gateway/)."""
+    mapping = setuptools.get("package-dir", {})
+    folders = set()
+    for package in setuptools["packages"]:
+        parent = max((p for p in mapping if package == p or package.startswith(p + ".")), key=len, default=None)
+        folders.add(mapping[parent].split("/")[0] if parent else package.split(".")[0])
+    return folders
+
+
+def build_flatfare_wheel(out: Path) -> Path:
+    """Flatfare's own wheel, built offline as tests/deploy/test_wheel.py and the images build it: from a clean
+    copy of what the build backend reads (a checkout's stale build/ could add files), with ``pip wheel
+    --no-deps --no-build-isolation`` (setuptools comes with the test extra)."""
+    project = tomllib.loads((report.REPO_ROOT / "pyproject.toml").read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "src"
+        source.mkdir()
+        for name in ("pyproject.toml", project["project"]["readme"]):
+            shutil.copy2(report.REPO_ROOT / name, source / name)
+        for folder in sorted(_package_folders(project["tool"]["setuptools"])):
+            shutil.copytree(report.REPO_ROOT / folder, source / folder,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
+        done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--disable-pip-version-check", "--no-deps",
+                               "--no-build-isolation", "--check-build-dependencies", "--wheel-dir", tmp, str(source)],
+                              capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"pip wheel could not build Flatfare's wheel:\n{done.stdout}{done.stderr}")
+        (built,) = Path(tmp).glob("flatfare-*.whl")
+        for old in out.glob("flatfare-*.whl"):
+            old.unlink()
+        return Path(shutil.copy2(built, out / built.name))
+
+
 def prepare() -> int:
     whl = WHEELS_DIR / "whl"
     shutil.rmtree(WHEELS_DIR, ignore_errors=True)
     whl.mkdir(parents=True)
+    wheel = build_flatfare_wheel(WHEELS_DIR / FLATFARE_WHEEL_DIR)
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
                     "--python-version", "3.12", "--implementation", "cp", "--abi", "cp312", "--abi", "abi3",
                     "--abi", "none", "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
@@ -93,7 +137,8 @@ def prepare() -> int:
         if parts and parts[0] in REDIS_LIBS and "=>" in parts:
             shutil.copy2(Path(parts[parts.index("=>") + 1]).resolve(), redis_dir / "lib" / parts[0])
     size = sum(f.stat().st_size for f in WHEELS_DIR.rglob("*") if f.is_file()) / 2**20
-    print(f"[gpu] {len(list(whl.glob('*.whl')))} wheels and redis-server in {WHEELS_DIR} ({size:.1f} MiB)")
+    print(f"[gpu] {wheel.name}, {len(list(whl.glob('*.whl')))} dependency wheels and redis-server in {WHEELS_DIR} "
+          f"({size:.1f} MiB)")
     return 0
 
 
@@ -102,7 +147,8 @@ Device calls (the `run` tool, kind nvidia-h200), back to back: an idle machine i
 /tmp with it. Each call's carried folders plus the working tree stay under 64 MiB (part1 alone is 59.5 MiB:
 keep the checkout's untracked files under ~4 MiB). First, here: build the vLLM payload
 (shared/device/prepare_vllm_payload.sh .gpu_vllm, with shared/device/* copied to .gpu_tools/ as its README
-says) and run `python -m bench gpu prepare` (.gpu_wheels, ~22 MiB).
+says) and run `python -m bench gpu prepare` (.gpu_wheels, ~22 MiB: the dependencies' wheels and Flatfare's
+own, built from this checkout's files: run it again after changing Flatfare's code).
 Each command is one line. END_BY is when the call must be done: gpu_device.sh stops bench.engine 50 s
 before it (SIGINT: servers stopped, what was measured written) and still leaves its .tgz. Only .tgz, .json
 and .log files are left in $OUT (at most 8 files come back).
@@ -113,7 +159,11 @@ bash .gpu_tools/device_setup.sh stash .gpu_vllm/part1
 2. (~8-8.5 min)  timeout_s: 600   carry: [".gpu_vllm/part2", ".gpu_tools", ".gpu_wheels"]
 export END_BY=$(($(date +%s)+585)); bash .gpu_tools/device_setup.sh install .gpu_vllm/part2 > $OUT/setup.log 2>&1 && bash bench/gpu_device.sh setup >> $OUT/setup.log 2>&1 || { tail -30 $OUT/setup.log; exit 1; }; tail -3 $OUT/setup.log; GATEWAY_PROCESSES=4 REPEATS=3 PYSPY=15 REQUESTS="8 64 256 512" TAG_SUFFIX=-s4 bash bench/gpu_device.sh run 8b 1 $OUT/gpu_8b
 
-   Setup ~45 s, then 8B: vllm serve, then Flatfare, one start each (~105-125 s), 3 repeats of concurrency
+   Setup ~50 s: the wheels go into /tmp/ffsite with --no-deps (Flatfare's as an installed package: the
+   source tree is never on PYTHONPATH, bench/ alone is, through /tmp/ffbench); it checks that flatfare,
+   flatfare.migrations, .gateway.app, .workers.main and .workers.engine import from /tmp/ffsite, even in
+   the checkout's root, and that `flatfare migrate` brings a scratch SQLite file to head.
+   Then 8B: vllm serve, then Flatfare, one start each (~105-125 s), 3 repeats of concurrency
    1 16 64 256 (~30 s a repeat with these REQUESTS; 10 96 500 500 would be ~40 s and not fit), then one
    uncounted 256-client Flatfare run under py-spy (cut first if time runs short). ~440 s of bench.engine.
 

@@ -2,7 +2,9 @@
 # Runs ON THE DEVICE MACHINE (the device tool's `run`), from the checkout's root, after
 # `.gpu_tools/device_setup.sh install` (vLLM 0.26 in /tmp/site, /tmp/vllm_env.sh written).
 #
-#   bash bench/gpu_device.sh setup                 # Flatfare's own deps and py-spy (.gpu_wheels) into /tmp/ffsite
+#   bash bench/gpu_device.sh setup                 # Flatfare's wheel, its deps, py-spy (.gpu_wheels) into /tmp/ffsite
+#   bash bench/gpu_device.sh install-flatfare      # only Flatfare's wheel, then check-flatfare (setup does both)
+#   bash bench/gpu_device.sh check-flatfare        # flatfare imports from /tmp/ffsite; `flatfare migrate` works
 #   bash bench/gpu_device.sh run SHAPE ROUNDS DIR  # SHAPE 8b|1b: make the model, run bench.engine, leave DIR.tgz
 #   bash bench/gpu_device.sh offline SHAPE DIR     # vllm_bench.py offline on that model: DIR.json, DIR.log
 #
@@ -13,10 +15,22 @@
 # most 8 files a call, and none deeper than two folders).
 # END_BY (epoch seconds), when set, is when the call must be done: bench.engine gets SIGINT early
 # enough to stop its servers, report what it measured and leave the .tgz.
+#
+# Flatfare runs from its installed wheel, never from the source tree: flatfare.gateway, .workers, .billing
+# and .migrations exist only through the wheel's package-dir mapping (pyproject.toml), so the checkout's
+# bare flatfare/ folder must never be on the path. bench/ is not in the wheel: /tmp/ffbench holds a link
+# to it, and nothing else, for `python -m bench`.
+# FFSITE, GPU_WHEELS, PYTHON and VLLM_ENV may be set for tests/deploy/test_gpu_recipe.py, which runs
+# install-flatfare on the CPU machine (no vLLM there).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-FFSITE=/tmp/ffsite
+FFSITE=${FFSITE:-/tmp/ffsite}
+FFBENCH=/tmp/ffbench
+WHEELS=${GPU_WHEELS:-$ROOT/.gpu_wheels}
+PYTHON=${PYTHON:-python3}
+VLLM_ENV=${VLLM_ENV:-/tmp/vllm_env.sh}
 say() { echo "[gpu_device] $*"; }
+die() { echo "[gpu_device] $*" >&2; exit 1; }
 left() { echo $(( ${END_BY:-$(( $(date +%s) + 100000 ))} - $(date +%s) )); }
 
 free_gpu() {
@@ -36,19 +50,84 @@ free_gpu() {
 }
 
 env_flatfare() {
-  # shellcheck disable=SC1091
-  . /tmp/vllm_env.sh
-  export PYTHONPATH=$ROOT:$PYTHONPATH:$FFSITE
+  # vLLM 0.26's /tmp/site (device_setup.sh install) first, as before, so its fastapi and pydantic win.
+  # shellcheck disable=SC1090
+  if [ -f "$VLLM_ENV" ]; then . "$VLLM_ENV"; fi
+  export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$FFSITE:$FFBENCH
+  # Nor the working folder: `python -m bench` runs in the checkout's root, and bench.engine starts its load
+  # generator and vllm serve there, where the bare ./flatfare would come first and shadow the wheel.
+  export PYTHONSAFEPATH=1
   export PATH=$FFSITE/bin:$PATH
 }
 
+install_flatfare() {
+  # The wheel `python -m bench gpu prepare` built from the checkout, alone: its dependencies come from
+  # whl/ (setup) and the vLLM payload.
+  local wheels=("$WHEELS"/flatfare/flatfare-*.whl) out
+  [ -f "${wheels[0]}" ] || die "no wheel in $WHEELS/flatfare: run python -m bench gpu prepare (carry .gpu_wheels)"
+  [ "${#wheels[@]}" -eq 1 ] || die "more than one Flatfare wheel in $WHEELS/flatfare: ${wheels[*]}"
+  mkdir -p "$FFSITE"
+  out=$("$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$FFSITE" \
+    "${wheels[0]}" 2>&1) || die "pip could not install ${wheels[0]} into $FFSITE: $out"
+  say "installed $(basename "${wheels[0]}") into $FFSITE"
+}
+
+check_flatfare() {
+  # In the checkout's root, where bench.engine runs and a bare flatfare/ lies, every module must still come
+  # from $FFSITE, and the wheel's `flatfare migrate` must bring a new SQLite file to head. Nothing here needs
+  # vLLM (the engine adapter imports it when an engine starts); setup imports vLLM on its own.
+  ( env_flatfare
+    cd "$ROOT"
+    "$PYTHON" - "$FFSITE" <<'EOF'
+import importlib
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+site = Path(sys.argv[1]).resolve()
+for name in ("flatfare", "flatfare.migrations", "flatfare.cli.main", "flatfare.gateway.app", "flatfare.workers.main",
+             "flatfare.workers.engine", "flatfare.billing.ledger"):
+    origin = Path(importlib.import_module(name).__file__).resolve()
+    if not origin.is_relative_to(site):
+        sys.exit(f"[gpu_device] {name} comes from {origin}, not from {site}: the source tree shadows the wheel")
+command = shutil.which("flatfare")
+if command is None or not Path(command).resolve().is_relative_to(site):
+    sys.exit(f"[gpu_device] the flatfare command is {command}, not {site}/bin/flatfare")
+print(f"[gpu_device] flatfare imports from {site / 'flatfare'}")
+
+from alembic.script import ScriptDirectory
+
+from flatfare.storage.db import alembic_config
+
+with tempfile.TemporaryDirectory() as scratch:
+    url = f"sqlite:///{scratch}/check.db"
+    done = subprocess.run([command, "migrate"], cwd=scratch, capture_output=True, text=True, check=False,
+                          env={**os.environ, "FLATFARE_DATABASE_URL": url, "FLATFARE_DATA_DIR": scratch})
+    if done.returncode != 0:
+        sys.exit(f"[gpu_device] flatfare migrate failed (rc {done.returncode}):\n{done.stdout}{done.stderr}")
+    with sqlite3.connect(f"{scratch}/check.db") as conn:
+        (version,) = conn.execute("SELECT version_num FROM alembic_version").fetchone()
+    head = ScriptDirectory.from_config(alembic_config(url)).get_current_head()
+    if version != head:
+        sys.exit(f"[gpu_device] flatfare migrate stopped at {version}, not at head {head}")
+print(f"[gpu_device] flatfare migrate: a new SQLite file at head {head}")
+EOF
+  )
+}
+
 setup() {
-  [ -d "$ROOT/.gpu_wheels/whl" ] || { echo "[gpu_device] .gpu_wheels not carried" >&2; exit 1; }
-  mkdir -p "$FFSITE/bin" "$FFSITE/lib"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$FFSITE" \
-    "$ROOT"/.gpu_wheels/whl/*.whl 2>&1 | grep -v 'WARNING: Target directory' || true
-  cp "$ROOT"/.gpu_wheels/redis/lib/* "$FFSITE/lib/"
-  cp "$ROOT"/.gpu_wheels/redis/redis-server "$FFSITE/lib/redis-server.bin"
+  [ -d "$WHEELS/whl" ] || die ".gpu_wheels not carried"
+  mkdir -p "$FFSITE/bin" "$FFSITE/lib" "$FFBENCH"
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$FFSITE" \
+    "$WHEELS"/whl/*.whl 2>&1 | grep -v 'WARNING: Target directory' || true
+  install_flatfare
+  ln -sfn "$ROOT/bench" "$FFBENCH/bench"
+  cp "$WHEELS"/redis/lib/* "$FFSITE/lib/"
+  cp "$WHEELS"/redis/redis-server "$FFSITE/lib/redis-server.bin"
   # A wrapper, so only redis-server sees the carried libraries (liblzf, libjemalloc).
   printf '#!/bin/sh\nLD_LIBRARY_PATH=%s/lib exec %s/lib/redis-server.bin "$@"\n' "$FFSITE" "$FFSITE" > "$FFSITE/bin/redis-server"
   chmod +x "$FFSITE/bin/redis-server" "$FFSITE/lib/redis-server.bin"
@@ -56,7 +135,13 @@ setup() {
   env_flatfare
   redis-server --version
   if command -v py-spy > /dev/null; then py-spy --version; else say "no py-spy: PYSPY runs record nothing"; fi
-  python3 -c 'import flatfare.cli.main, flatfare.gateway.app, flatfare.workers.main, flatfare.workers.engine, bench.engine, sqlalchemy, redis, hiredis, async_lru, alembic, orjson, pydantic_settings; print("[gpu_device] flatfare imports ok")'
+  check_flatfare
+  # What the device needs beyond the check: vLLM itself, bench (through /tmp/ffbench) and the dependencies.
+  (cd "$ROOT" && "$PYTHON" -c 'import vllm, bench, bench.engine, sqlalchemy, redis, hiredis, async_lru, alembic
+import orjson, pydantic_settings
+from pathlib import Path
+assert Path(bench.__file__).parent.parent == Path("'"$FFBENCH"'"), bench.__file__
+print("[gpu_device] vllm", vllm.__version__, "and bench.engine import")')
 }
 
 run() {
@@ -109,7 +194,10 @@ cmd=${1:-}
 shift || true
 case "$cmd" in
   setup) setup ;;
+  install-flatfare) install_flatfare; check_flatfare ;;
+  check-flatfare) check_flatfare ;;
   run) run "$@" ;;
   offline) offline "$@" ;;
-  *) echo "usage: $0 setup | run SHAPE ROUNDS DIR | offline SHAPE DIR" >&2; exit 2 ;;
+  *) echo "usage: $0 setup | install-flatfare | check-flatfare | run SHAPE ROUNDS DIR | offline SHAPE DIR" >&2
+     exit 2 ;;
 esac
