@@ -3,8 +3,9 @@
 # `.gpu_tools/device_setup.sh install` (vLLM 0.26 in /tmp/site, /tmp/vllm_env.sh written).
 #
 #   bash bench/gpu_device.sh setup                 # Flatfare's wheel, its deps, py-spy (.gpu_wheels) into /tmp/ffsite
-#   bash bench/gpu_device.sh install-flatfare      # only Flatfare's wheel, then check-flatfare (setup does both)
+#   bash bench/gpu_device.sh install-flatfare      # only Flatfare's wheel and bench's link, then check-flatfare
 #   bash bench/gpu_device.sh check-flatfare        # flatfare imports from /tmp/ffsite; `flatfare migrate` works
+#   bash bench/gpu_device.sh python ARGS...        # python3 as `run` starts bench.engine: its path, the root
 #   bash bench/gpu_device.sh run SHAPE ROUNDS DIR  # SHAPE 8b|1b: make the model, run bench.engine, leave DIR.tgz
 #   bash bench/gpu_device.sh offline SHAPE DIR     # vllm_bench.py offline on that model: DIR.json, DIR.log
 #
@@ -20,12 +21,12 @@
 # and .migrations exist only through the wheel's package-dir mapping (pyproject.toml), so the checkout's
 # bare flatfare/ folder must never be on the path. bench/ is not in the wheel: /tmp/ffbench holds a link
 # to it, and nothing else, for `python -m bench`.
-# FFSITE, GPU_WHEELS, PYTHON and VLLM_ENV may be set for tests/deploy/test_gpu_recipe.py, which runs
-# install-flatfare on the CPU machine (no vLLM there).
+# FFSITE, FFBENCH, GPU_WHEELS, PYTHON and VLLM_ENV may be set for tests/deploy/test_gpu_recipe.py, which
+# runs install-flatfare and bench's Flatfare stack on the CPU machine (no vLLM there).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 FFSITE=${FFSITE:-/tmp/ffsite}
-FFBENCH=/tmp/ffbench
+FFBENCH=${FFBENCH:-/tmp/ffbench}
 WHEELS=${GPU_WHEELS:-$ROOT/.gpu_wheels}
 PYTHON=${PYTHON:-python3}
 VLLM_ENV=${VLLM_ENV:-/tmp/vllm_env.sh}
@@ -119,13 +120,18 @@ EOF
   )
 }
 
+link_bench() {
+  mkdir -p "$FFBENCH"
+  ln -sfn "$ROOT/bench" "$FFBENCH/bench"
+}
+
 setup() {
   [ -d "$WHEELS/whl" ] || die ".gpu_wheels not carried"
-  mkdir -p "$FFSITE/bin" "$FFSITE/lib" "$FFBENCH"
+  mkdir -p "$FFSITE/bin" "$FFSITE/lib"
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$FFSITE" \
     "$WHEELS"/whl/*.whl 2>&1 | grep -v 'WARNING: Target directory' || true
   install_flatfare
-  ln -sfn "$ROOT/bench" "$FFBENCH/bench"
+  link_bench
   cp "$WHEELS"/redis/lib/* "$FFSITE/lib/"
   cp "$WHEELS"/redis/redis-server "$FFSITE/lib/redis-server.bin"
   # A wrapper, so only redis-server sees the carried libraries (liblzf, libjemalloc).
@@ -194,10 +200,12 @@ cmd=${1:-}
 shift || true
 case "$cmd" in
   setup) setup ;;
-  install-flatfare) install_flatfare; check_flatfare ;;
+  install-flatfare) install_flatfare; link_bench; check_flatfare ;;
   check-flatfare) check_flatfare ;;
+  python) env_flatfare; cd "$ROOT"; exec "$PYTHON" "$@" ;;
   run) run "$@" ;;
   offline) offline "$@" ;;
-  *) echo "usage: $0 setup | install-flatfare | check-flatfare | run SHAPE ROUNDS DIR | offline SHAPE DIR" >&2
+  *) echo "usage: $0 setup | install-flatfare | check-flatfare | python ARGS | run SHAPE ROUNDS DIR |" \
+          "offline SHAPE DIR" >&2
      exit 2 ;;
 esac

@@ -3,8 +3,9 @@
 installed package, never from the source tree (whose top-level gateway/, workers/, billing/ and migrations/
 become flatfare.* only through the wheel's package-dir mapping).
 
-The wheel comes from the very function `prepare` calls, and the install and its check from the very
-script (`gpu_device.sh install-flatfare`, which `setup` runs too). The device's python3 has no editable
+The wheel comes from the very function `prepare` calls; the install, its check and bench's Flatfare stack
+run through the very script (`gpu_device.sh install-flatfare`, which `setup` runs too, and `gpu_device.sh
+python`, python3 with the path and folder `run` gives bench.engine). The device's python3 has no editable
 install of Flatfare; here the commands run on a venv made without pip whose only link to this test run's
 packages is a .pth naming the venv's site-packages folder: Python adds the folder but runs none of the .pth
 files inside it, so the editable install's import hook (which would map flatfare.gateway to gateway/ for
@@ -38,18 +39,19 @@ class Recipe:
     python: Path  # the device's python3, in miniature: no editable install, no pip of its own
     wheels: Path  # gpu prepare's .gpu_wheels
     site: Path  # gpu_device.sh's /tmp/ffsite
+    bench: Path  # its /tmp/ffbench (a link to bench/, nothing else)
     home: Path  # a folder outside the checkout
 
     def env(self, **extra: str) -> dict[str, str]:
         return {"PATH": f"{self.python.parent}{os.pathsep}/usr/bin{os.pathsep}/bin", "HOME": str(self.home),
                 "LANG": "C.UTF-8", "TMPDIR": str(self.home), "FLATFARE_DATA_DIR": str(self.home / "data"), **extra}
 
-    def script(self, command: str, **extra: str) -> subprocess.CompletedProcess[str]:
-        """`bash bench/gpu_device.sh COMMAND` as the device runs it, with this recipe's folders and python
+    def script(self, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        """`bash bench/gpu_device.sh ARGS` as the device runs it, with this recipe's folders and python
         (and no /tmp/vllm_env.sh: there is no vLLM payload here)."""
-        env = self.env(FFSITE=str(self.site), GPU_WHEELS=str(self.wheels), PYTHON=str(self.python),
-                       VLLM_ENV=str(self.workdir / "no-vllm-env.sh"), **extra)
-        return subprocess.run(["bash", str(SCRIPT), command], cwd=REPO, env=env, capture_output=True, text=True,
+        env = self.env(FFSITE=str(self.site), FFBENCH=str(self.bench), GPU_WHEELS=str(self.wheels),
+                       PYTHON=str(self.python), VLLM_ENV=str(self.workdir / "no-vllm-env.sh"), **extra)
+        return subprocess.run(["bash", str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=COMMAND_TIMEOUT_S, check=False)
 
     def python_run(self, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
@@ -70,7 +72,8 @@ def recipe(tmp_path_factory: pytest.TempPathFactory) -> Recipe:
     (site_packages / "flatfare-test-dependencies.pth").write_text("".join(f"{p}\n" for p in sorted(ours)))
     home = workdir / "elsewhere"
     home.mkdir()
-    return Recipe(workdir=workdir, python=venv / "bin" / "python", wheels=wheels, site=workdir / "ffsite", home=home)
+    return Recipe(workdir=workdir, python=venv / "bin" / "python", wheels=wheels, site=workdir / "ffsite",
+                  bench=workdir / "ffbench", home=home)
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +135,37 @@ def test_the_check_refuses_the_source_tree_ahead_of_the_wheel(recipe: Recipe,
     done = recipe.script("check-flatfare", PYTHONPATH=str(REPO))
     assert done.returncode != 0, done.stdout
     assert f"flatfare comes from {REPO / 'flatfare'}" in done.stderr and "shadows the wheel" in done.stderr, done.stderr
+
+
+# bench.engine's Flatfare half as `gpu_device.sh run` starts it (its python, path and folder), with the instant
+# engine instead of vLLM: migrate, a key, a worker and a gateway answering one request.
+STACK = """
+import tempfile
+from pathlib import Path
+import bench, flatfare
+from bench.procs import services
+from bench.stack import FlatfareStack, http_post
+print(flatfare.__file__, bench.__file__, sep="\\n")
+with tempfile.TemporaryDirectory() as tmp, services() as group:
+    stack = FlatfareStack(group, Path(tmp) / "flatfare", "instant", ["--engine", "instant"])
+    try:
+        stack.start_storage()
+        stack.start_worker(120)
+        stack.start_gateway(120)
+        status, _ = http_post(stack.base_url + "/v1/completions", stack.key,
+                                 {"model": "instant", "prompt": "Hi", "max_tokens": 2})
+        print(status)
+    finally:
+        stack.stop()
+"""
+
+
+def test_the_bench_stack_runs_flatfare_from_the_wheel(recipe: Recipe,
+                                                      installed: subprocess.CompletedProcess[str]) -> None:
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    done = recipe.script("python", "-c", STACK)
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    flatfare_file, bench_file, status = done.stdout.split()
+    assert Path(flatfare_file).is_relative_to(recipe.site / "flatfare"), flatfare_file
+    assert Path(bench_file) == recipe.bench / "bench" / "__init__.py", bench_file
+    assert status == "200"
