@@ -23,12 +23,12 @@ import time
 import uuid
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
-from sqlalchemy.exc import SQLAlchemyError
 
 from flatfare.billing.ledger import Ledger
 from flatfare.billing.quota import DailyQuota, QuotaUnavailable
 from flatfare import contract
+from flatfare.redis_conn import REDIS_DOWN
+from flatfare.storage.db import DATABASE_DOWN
 
 log = logging.getLogger("flatfare.gateway")
 
@@ -70,7 +70,7 @@ class HeldUnits:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        with contextlib.suppress(RedisError, OSError):
+        with contextlib.suppress(*REDIS_DOWN):
             await self._flush()
             if not await self._redis.hlen(self.key):  # nothing left to settle: forget this process now
                 await self._redis.zrem(contract.GATEWAYS_KEY, self.gateway_id)
@@ -103,7 +103,7 @@ class HeldUnits:
                     await self.reap()
             except asyncio.CancelledError:
                 raise
-            except (RedisError, OSError, SQLAlchemyError, QuotaUnavailable) as exc:
+            except (*REDIS_DOWN, *DATABASE_DOWN, QuotaUnavailable) as exc:
                 log.warning("held units: %s (%s); retrying", exc.__class__.__name__, exc)
             await asyncio.sleep(FLUSH_EVERY_S)
 

@@ -22,10 +22,11 @@ from typing import Any, Protocol
 from concurrent.futures import ThreadPoolExecutor
 
 from sqlalchemy import Connection, bindparam, func, insert, select, update
-from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from flatfare.billing.ledger_sqlite import Busy, SqliteWriter
+from flatfare.storage.db import DATABASE_DOWN
 from flatfare.storage.models import OutboxStatus, RequestRecord, RequestStatus, UsageOutbox
 
 
@@ -159,7 +160,7 @@ class Ledger:
             try:  # whatever escapes the handling below, every waiter of the batch hears of it
                 try:
                     await self._commit(batch)
-                except (SQLAlchemyError, OSError) as exc:
+                except DATABASE_DOWN as exc:
                     if _unreachable(exc):
                         await self._wait_for_database(batch, exc)
                     elif len(batch) == 1:
@@ -189,7 +190,7 @@ class Ledger:
         for index, write in enumerate(batch):
             try:
                 await self._commit([write])
-            except (SQLAlchemyError, OSError) as exc:
+            except DATABASE_DOWN as exc:
                 if _unreachable(exc):  # the database went away meanwhile (its first error did not say so)
                     await self._wait_for_database(batch[index:], exc)
                     return

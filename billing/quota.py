@@ -27,13 +27,13 @@ from collections.abc import Awaitable, Callable
 from datetime import date, datetime, timedelta
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 # The keys are the contract's; this module's names for them are the ones its importers know.
 from flatfare.contract import QUOTA_EPOCH_KEY as EPOCH_KEY
 from flatfare.contract import QUOTA_REBUILD_LOCK_KEY as REBUILD_LOCK_KEY
 from flatfare.contract import quota_counter_key as counter_key
 from flatfare.contract import quota_counters_of_day
+from flatfare.redis_conn import REDIS_DOWN
 
 # Counters outlive their day by this much, so a late give-back still finds them.
 EXPIRY_SLACK_S = 3600
@@ -94,14 +94,14 @@ class DailyQuota:
         try:
             left = await self._give_back(keys=[counter_key(account_id, day), holder, EPOCH_KEY],
                                          args=[request_id, generation])
-        except (RedisError, OSError) as exc:
+        except REDIS_DOWN as exc:
             raise QuotaUnavailable(str(exc)) from exc
         return left != -1
 
     async def used(self, account_id: int, day: str) -> int:
         try:
             value = await self._redis.get(counter_key(account_id, day))
-        except (RedisError, OSError) as exc:
+        except REDIS_DOWN as exc:
             raise QuotaUnavailable(str(exc)) from exc
         return int(value or 0)
 
@@ -134,7 +134,7 @@ class DailyQuota:
                     await pipe.execute()
             finally:
                 await self._redis.delete(REBUILD_LOCK_KEY)
-        except (RedisError, OSError) as exc:
+        except REDIS_DOWN as exc:
             raise QuotaUnavailable(str(exc)) from exc
 
 

@@ -5,6 +5,12 @@ from __future__ import annotations
 import hiredis
 import redis.asyncio as aioredis
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
+from redis.exceptions import RedisError
+
+# What Redis being away (down, restarting, unreachable, or too slow) raises: redis-py's own errors
+# and the OSErrors its sockets let through bare. OSError takes in ConnectionError and TimeoutError,
+# which ``asyncio.timeout`` raises (since Python 3.11 asyncio.TimeoutError is that same class).
+REDIS_DOWN: tuple[type[Exception], ...] = (RedisError, OSError)
 
 # Blocking reads (XREAD/XREADGROUP BLOCK) wait at most 5 s, well inside this socket timeout;
 # redis-py's own default (5 s) would cut a loaded server's blocking reply short.

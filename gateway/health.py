@@ -6,9 +6,10 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from redis.exceptions import RedisError
 from sqlalchemy import text
-from sqlalchemy.exc import SQLAlchemyError
+
+from flatfare.redis_conn import REDIS_DOWN
+from flatfare.storage.db import DATABASE_DOWN
 
 router = APIRouter(tags=["health"])
 
@@ -27,12 +28,12 @@ async def readyz(request: Request) -> JSONResponse:
         async with state.sessions() as session:
             await session.execute(text("SELECT 1"))
         checks["database"] = "ok"
-    except (SQLAlchemyError, OSError) as exc:
+    except DATABASE_DOWN as exc:
         checks["database"] = f"unreachable: {exc.__class__.__name__}"
     try:
         await state.redis.ping()
         checks["redis"] = "ok"
-    except (RedisError, OSError) as exc:
+    except REDIS_DOWN as exc:
         checks["redis"] = f"unreachable: {exc.__class__.__name__}"
     if checks["database"] == "ok" and checks["redis"] == "ok":
         models: dict[str, str] = {}

@@ -29,12 +29,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client import multiprocess
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 from sqlalchemy import func, select
-from sqlalchemy.exc import SQLAlchemyError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flatfare import contract
+from flatfare.redis_conn import REDIS_DOWN
+from flatfare.storage.db import DATABASE_DOWN
 from flatfare.storage.models import CatalogModel, Lane, OutboxStatus, UsageOutbox
 
 log = logging.getLogger("flatfare.gateway")
@@ -239,7 +240,7 @@ async def platform_snapshot(state: Any) -> PlatformSnapshot:
         if oldest is not None:
             snapshot.outbox_oldest_age_s = max((datetime.now(UTC) - oldest).total_seconds(), 0.0)
         snapshot.up["database"] = True
-    except (SQLAlchemyError, OSError) as exc:
+    except DATABASE_DOWN as exc:
         log.warning("metrics: could not read the catalog and the billing outbox (%s)", exc.__class__.__name__)
         snapshot.up["database"] = False
     try:
@@ -256,7 +257,7 @@ async def platform_snapshot(state: Any) -> PlatformSnapshot:
             for lane, stream in lane_streams(model).items():
                 snapshot.queues.append(await queue_depth(state.redis, model, lane, stream, now_ms))
         snapshot.up["redis"] = True
-    except (RedisError, OSError) as exc:
+    except REDIS_DOWN as exc:
         log.warning("metrics: could not read the queues (%s)", exc.__class__.__name__)
         snapshot.up["redis"] = False
     return snapshot

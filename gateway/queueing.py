@@ -22,6 +22,7 @@ from flatfare.billing.quota import EPOCH_KEY, QUOTA_CHECK, QUOTA_COUNT, REBUILT,
 from flatfare import contract
 from flatfare.contract import Job, Lane
 from flatfare.gateway.errors import APIError
+from flatfare.redis_conn import REDIS_DOWN
 
 # KEYS: the day's quota counter, the quota epoch marker, the lane (or worker) stream, this gateway
 # process's held units. ARGV: limit (-1: none), counter expiry, lane bound, consumer group, request
@@ -166,7 +167,7 @@ class LaneQueue:
                     outcome, used, *rest = await self._redis.evalsha(self._admit_counted.sha, 4, *keys, *args)
                 except NoScriptError:  # a restarted or flushed server: load it through redis-py
                     outcome, used, *rest = await self._admit_counted(keys=keys, args=args)
-            except (aioredis.RedisError, OSError) as exc:
+            except REDIS_DOWN as exc:
                 raise QuotaUnavailable(str(exc)) from exc
             if outcome != REBUILT:
                 break

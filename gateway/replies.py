@@ -25,13 +25,12 @@ import uuid
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 import orjson
 
 from flatfare import contract
 from flatfare.contract import Reply, ReplyKind
-from flatfare.redis_conn import SOCKET_TIMEOUT_S, without_read_timeouts
+from flatfare.redis_conn import REDIS_DOWN, SOCKET_TIMEOUT_S, without_read_timeouts
 from flatfare.gateway.errors import APIError, error_body
 
 log = logging.getLogger("flatfare.gateway")
@@ -151,7 +150,7 @@ class ReplyRouter:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        with contextlib.suppress(RedisError, OSError):
+        with contextlib.suppress(*REDIS_DOWN):
             await self._redis.delete(self.stream)
         await self._reader.aclose()
 
@@ -256,7 +255,7 @@ class ReplyRouter:
                     pipe.expire(key, contract.REPLY_TTL_S)
                     await pipe.execute()
                 return
-            except (RedisError, OSError):
+            except REDIS_DOWN:
                 pass
         inbox.push(reply)
 
@@ -290,7 +289,7 @@ class ReplyRouter:
                         result = await self._reader.xread({self.stream: last}, count=_READ_COUNT, block=_BLOCK_MS)
             except asyncio.CancelledError:
                 raise
-            except (RedisError, OSError, TimeoutError) as exc:
+            except REDIS_DOWN as exc:
                 log.warning("reading replies failed (%s); retrying", exc.__class__.__name__)
                 await asyncio.sleep(_RETRY_S)
                 continue
@@ -319,7 +318,7 @@ class ReplyRouter:
                 if self._watched:
                     try:
                         await self._look()
-                    except (RedisError, OSError, TimeoutError) as exc:
+                    except REDIS_DOWN as exc:
                         log.warning("looking for lost jobs failed (%s); retrying", exc.__class__.__name__)
 
     async def _pump(self, key: str, inbox: Inbox) -> None:
@@ -327,7 +326,7 @@ class ReplyRouter:
         while True:
             try:
                 result = await self._redis.xread({key: last}, count=256, block=_BLOCK_MS)
-            except (RedisError, OSError):
+            except REDIS_DOWN:
                 await asyncio.sleep(_RETRY_S)
                 continue
             for _stream, entries in result or ():

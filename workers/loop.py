@@ -24,7 +24,7 @@ from flatfare.logs import bind, prompts_enabled
 from flatfare.workers.claims import Claimed, Claimer
 from flatfare.workers.metrics import WorkerMetrics
 from flatfare.workers.presence import RETRY_S, Presence, listen_for_cancels, now_ms
-from flatfare.redis_conn import without_read_timeouts
+from flatfare.redis_conn import REDIS_DOWN, without_read_timeouts
 from flatfare.workers.replies import BatchedGet, ReplyWriter
 
 log = logging.getLogger("flatfare.worker")
@@ -171,7 +171,7 @@ class WorkerLoop:
                 continue
             try:
                 claimed = await self.claimer.claim(free)
-            except (aioredis.RedisError, OSError) as exc:
+            except REDIS_DOWN as exc:
                 await self._redis_failed(exc)
                 continue
             self._start_all(claimed)
@@ -182,7 +182,7 @@ class WorkerLoop:
         log.warning("claiming failed (%s: %s); retrying", exc.__class__.__name__, exc)
         await asyncio.sleep(RETRY_S)
         if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
-            with contextlib.suppress(aioredis.RedisError, OSError):
+            with contextlib.suppress(*REDIS_DOWN):
                 await self.claimer.setup()
 
     def _start_all(self, claimed: list[Claimed]) -> None:
@@ -227,7 +227,7 @@ class WorkerLoop:
                 continue
             try:
                 lost = await self.claimer.renew(held)
-            except (aioredis.RedisError, OSError):
+            except REDIS_DOWN:
                 continue
             orphans = self._still_holding(lost)
 
@@ -256,7 +256,7 @@ class WorkerLoop:
             try:
                 live = await self.presence.live_workers()
                 self._start_all(await self.claimer.take_over(free, self.lease_ms, live))
-            except (aioredis.RedisError, OSError):
+            except REDIS_DOWN:
                 log.warning("takeover pass failed", exc_info=True)
 
     def _cancel(self, request_id: str) -> None:
@@ -272,7 +272,7 @@ class WorkerLoop:
         try:
             try:
                 checks = await self._checks(job, reclaimed)
-            except (aioredis.RedisError, OSError, TimeoutError):
+            except REDIS_DOWN:
                 if reclaimed:  # whether output went out is unknown: leave it for a later takeover
                     log.warning("takeover of %s postponed: Redis is unreachable", job.request_id)
                     self._handed_back.add(job.request_id)
@@ -325,7 +325,7 @@ class WorkerLoop:
         # Claimed before the engine runs, not after the answer: from its prefill on, this worker's
         # prefix cache holds the prompt, and requests arriving meanwhile (or right after the answer
         # reached the client) should be routed here.
-        with contextlib.suppress(aioredis.RedisError, OSError):
+        with contextlib.suppress(*REDIS_DOWN):
             await self.redis.set(contract.prefix_key(self.pool, prefix), self.info.worker_id, ex=PREFIX_TTL_S)
 
     async def _run(self, job: Job, started_ms: int) -> None:

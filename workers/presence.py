@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 
 from flatfare import contract
 from flatfare.contract import WorkerInfo, WorkerState
+from flatfare.redis_conn import REDIS_DOWN
 
 log = logging.getLogger("flatfare.worker")
 
@@ -52,14 +53,14 @@ class Presence:
 
     async def set_state(self, state: WorkerState) -> None:
         self.info.state = state
-        with contextlib.suppress(aioredis.RedisError, OSError):
+        with contextlib.suppress(*REDIS_DOWN):
             await self.beat_now()
 
     async def _beat(self) -> None:
         while True:
             try:
                 await self.beat_now()
-            except (ConnectionError, OSError, aioredis.RedisError):
+            except REDIS_DOWN:
                 log.warning("heartbeat failed; retrying", exc_info=True)
             await asyncio.sleep(contract.HEARTBEAT_INTERVAL_S)
 
@@ -89,7 +90,7 @@ async def listen_for_cancels(redis: aioredis.Redis, on_cancel: Callable[[str], N
             async for message in pubsub.listen():
                 data = message["data"]
                 on_cancel(data.decode() if isinstance(data, bytes) else data)
-        except (aioredis.RedisError, OSError) as exc:
+        except REDIS_DOWN as exc:
             log.warning("cancellations: %s; subscribing again", exc.__class__.__name__)
             await asyncio.sleep(RETRY_S)
         finally:

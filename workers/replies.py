@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 
 from flatfare import contract
 from flatfare.contract import Job, Reply, ReplyKind
-from flatfare.redis_conn import SOCKET_TIMEOUT_S
+from flatfare.redis_conn import REDIS_DOWN, SOCKET_TIMEOUT_S
 
 log = logging.getLogger("flatfare.worker")
 
@@ -107,7 +107,7 @@ class ReplyWriter:
                         if begun:
                             pipe.set(begun, 1, ex=contract.REPLY_TTL_S)
                     await pipe.execute()
-            except (aioredis.RedisError, OSError, TimeoutError) as exc:
+            except REDIS_DOWN as exc:
                 now = asyncio.get_running_loop().time()
                 failing_since = failing_since or now
                 if now - failing_since < GIVE_UP_S:

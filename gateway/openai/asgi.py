@@ -20,7 +20,6 @@ from typing import Any
 
 import orjson
 from redis.exceptions import RedisError
-from sqlalchemy.exc import SQLAlchemyError
 from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 
@@ -31,6 +30,8 @@ from flatfare.gateway.openai.service import CLIENT_CLOSED, Answer, Call
 from flatfare.gateway.errors import APIError, database_unavailable, error_body, queue_unreachable
 from flatfare.gateway.metrics import GatewayMetrics, observe
 from flatfare.gateway.quota_headers import current_headers
+from flatfare.redis_conn import REDIS_DOWN
+from flatfare.storage.db import DATABASE_DOWN
 
 log = logging.getLogger("flatfare.gateway")
 
@@ -86,7 +87,7 @@ class CompletionRoutes:
                 answer = await _error(exc, state, caller, call)
             except RedisError:
                 answer = await _error(queue_unreachable(), state, caller, call)
-            except (SQLAlchemyError, OSError):  # accounts or plans unreadable: nothing was counted
+            except DATABASE_DOWN:  # accounts or plans unreadable: nothing was counted
                 answer = await _error(database_unavailable(), state, None, call)
             request_id = answer.headers.get("x-request-id")
             status = answer.status
@@ -153,7 +154,7 @@ async def _error(exc: APIError, state: object, caller: Caller | None, call: Call
     if limits is None and caller is not None and exc.status != CLIENT_CLOSED:
         try:
             limits = await current_headers(state, caller)
-        except (RedisError, OSError, RuntimeError, QuotaUnavailable):
+        except (*REDIS_DOWN, RuntimeError, QuotaUnavailable):
             # Headers of an error answer: with Redis away (uvloop says so with a RuntimeError while a
             # connection is torn down), the error goes out without them rather than as a 500.
             limits = None

@@ -19,13 +19,13 @@ from datetime import UTC, datetime
 
 import orjson
 from redis.exceptions import RedisError
-from sqlalchemy.exc import SQLAlchemyError
 
 from flatfare.billing.ledger import Charge, DuplicateIdempotencyKey, Ledger, Outcome
 from flatfare.billing.plans import AccountTerms, QuotaWindow, quota_window
 from flatfare.billing.quota import DailyQuota, QuotaUnavailable, expiry
 from flatfare.contract import Endpoint, Job, Reply, ReplyKind
 from flatfare.logs import bind
+from flatfare.storage.db import DATABASE_DOWN
 from flatfare.storage.models import RequestRecord, RequestStatus
 from flatfare.gateway.prefix_routing import PrefixRouter, prefix_hash
 from flatfare.gateway.auth import Caller
@@ -228,7 +228,7 @@ class CompletionService:
             except DuplicateIdempotencyKey:
                 existing = await self._ledger.find_idempotent(caller.account_id, idempotency_key)
                 return await self._replay(existing, body_sha256, call)
-            except (SQLAlchemyError, OSError):
+            except DATABASE_DOWN:
                 raise _ledger_unavailable() from None
         prefix = prefix_hash(endpoint, body) if self._prefixes.enabled else ""
         inbox = self._router.follow(admission.request_id) if idempotency_key else self._router.open(admission.request_id)
@@ -383,7 +383,7 @@ class CompletionService:
         """Wait for the request's ledger row; without it the request is withdrawn, free."""
         try:
             await self._ledger.opened(opening)
-        except (SQLAlchemyError, OSError):  # asyncpg's refused connection is a bare OSError
+        except DATABASE_DOWN:
             with contextlib.suppress(RedisError):
                 await self._replies.cancel(admission.request_id)
             await self._give_back(admission)
