@@ -5,7 +5,7 @@ steps (see docs/PERFORMANCE.md for the exact device calls):
 
 1. ``python -m bench gpu prepare`` (here): Flatfare's own wheel, built offline from the checkout, the
    dependencies the device lacks, as cp312 ``--no-deps`` wheels, py-spy, and a ``redis-server`` with its
-   two libraries, into ``.gpu_wheels/`` (~22 MiB); the vLLM payload comes from
+   two libraries, into ``.gpu_wheels/`` (git-ignored, ~22 MiB); the vLLM payload comes from
    ``shared/device/prepare_vllm_payload.sh``.
 2. ``python -m bench gpu plan``: prints the device calls; each runs ``bench/gpu_device.sh`` there, which
    installs the wheels into ``/tmp/ffsite`` (Flatfare runs from its wheel, never from the source tree:
