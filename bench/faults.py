@@ -86,7 +86,9 @@ class Rig:
     daily_limit: int | None = None
     persist_redis: bool = False
     postgres: bool = False
-    # Per gateway: seconds its clock is ahead of the real one (libfaketime), for the day boundary.
+    # Per gateway: seconds its clock is ahead of the real one (libfaketime), for the day boundary. Each
+    # gateway's clock follows a file (the first one's also the workers' and the commands'), so
+    # set_clock_offsets moves the clocks of running processes.
     clock_offsets_s: list[float] | None = None
     request_timeout_s: float = 10.0
     # Jobs each worker holds at once (0: the engine's capacity); fewer make jobs queue in Redis.
@@ -108,18 +110,20 @@ class Rig:
 
     # ---- start ----
 
-    def env(self, clock_offset_s: float | None = None) -> dict[str, str]:
-        """Every process's environment; with clock offsets, its clock is ``clock_offset_s`` ahead (the
-        first gateway's offset for the workers and the commands)."""
+    def env(self, clock: int = 0) -> dict[str, str]:
+        """Every process's environment; with clock offsets, its clock is gateway ``clock``'s (the first
+        gateway's for the workers and the commands)."""
         assert self.redis is not None and self.edge is not None
-        clock = {}
+        faked = {}
         if self.clock_offsets_s is not None:
             if not FAKETIME.exists():
                 raise Unavailable(f"no libfaketime at {FAKETIME} (scripts/install.sh unpacks it)")
-            offset = self.clock_offsets_s[0] if clock_offset_s is None else clock_offset_s
-            clock = {"LD_PRELOAD": str(FAKETIME), "FAKETIME": f"{offset:+.3f}", "FAKETIME_DONT_FAKE_MONOTONIC": "1",
-                     "FAKETIME_NO_CACHE": "1"}
-        return {**os.environ, **clock,
+            # Read again at every call (no cache): a new offset applies at once. FAKETIME itself must
+            # be unset, or it wins over the file.
+            faked = {"LD_PRELOAD": str(FAKETIME), "FAKETIME_TIMESTAMP_FILE": str(self._clock_file(clock)),
+                     "FAKETIME_DONT_FAKE_MONOTONIC": "1", "FAKETIME_NO_CACHE": "1"}
+        environ = {k: v for k, v in os.environ.items() if k != "FAKETIME"}
+        return {**environ, **faked,
                 "FLATFARE_DATA_DIR": str(self.workdir), "FLATFARE_DATABASE_URL": self.database_url,
                 "FLATFARE_REDIS_URL": self.redis.url, "FLATFARE_LOG_LEVEL": "warning",
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])),
@@ -157,6 +161,8 @@ class Rig:
         """Where the money is recorded, without a process to move it: Stripe's edge, Redis, the
         migrated database and the account with its key (tests/faults/test_audit.py plants faults in them)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.clock_offsets_s is not None:
+            self.set_clock_offsets(self.clock_offsets_s)
         self.edge = StripeEdge(seed=7).start()
         self.redis = LocalRedis(self.workdir / "redis", persist=self.persist_redis).start()
         if self.postgres:
@@ -194,10 +200,22 @@ class Rig:
         self.dead_ports.discard(self.ports[index])
 
     def _gateway(self, index: int) -> Service:
-        env = self.env(self.clock_offsets_s[index] if self.clock_offsets_s is not None else None)
+        env = self.env(clock=index)
         argv = [sys.executable, "-m", "flatfare", "gateway", "--port", str(self.ports[index]), "--processes", "1"]
         return self.services.start(Service(f"gateway{index}", argv, self.workdir / f"gateway{index}.log",
                                            env=env, cwd=str(self.workdir)))
+
+    def _clock_file(self, index: int) -> Path:
+        return self.workdir / f"clock{index}.faketime"
+
+    def set_clock_offsets(self, offsets_s: list[float]) -> None:
+        """Per gateway, how many seconds its clock is ahead of the real one, from now on (the first
+        gateway's also for the workers); running processes follow within a call of their clock."""
+        self.clock_offsets_s = list(offsets_s)
+        for index, offset in enumerate(offsets_s):
+            moved = self._clock_file(index).with_suffix(".new")
+            moved.write_text(f"{offset:+.3f}\n")
+            moved.replace(self._clock_file(index))  # whole: a clock never reads half a file
 
     def wait_worker(self, worker: Service) -> None:
         assert self.redis is not None
@@ -504,11 +522,16 @@ async def stripe_failing(rig: Rig, reps: int) -> Clients:
 
 
 async def day_boundary(rig: Rig, reps: int) -> Clients:
-    """Two gateways (and the workers) with clocks moved to just before midnight by libfaketime, the
-    second 1.5 s ahead of the first; 8 clients for 8 s from 4 s before midnight by the first."""
+    """Two gateways (and the workers) on clocks moved by libfaketime, the second 1.5 s ahead of the
+    first: they start at midnight, however long that takes, and once all run their clocks are set
+    back to 5 s before it; 8 clients send for 8 s from 4 s before midnight by the first."""
     assert rig.clock_offsets_s is not None
-    # Start 4 s before midnight by the first gateway's clock; its fellow is 1.5 s ahead of it.
-    await asyncio.sleep(max(_to_midnight(4.0) - rig.clock_offsets_s[0], 0))
+    # Back, not forward: a clock moved forward would find every other process's last heartbeat old
+    # (a gateway would be reaped, a worker taken for dead) until each had beaten again.
+    first = rig.clock_offsets_s[0]
+    base = _to_midnight(5.0)
+    rig.set_clock_offsets([base + offset - first for offset in rig.clock_offsets_s])
+    await asyncio.sleep(max(_to_midnight(4.0) - base, 0))
     clients = Clients(rig, stream_share=0.5)
     deadline = time.monotonic() + 8
     await clients.closed_loop(8, lambda: time.monotonic() > deadline)
@@ -558,8 +581,8 @@ SCENARIOS = [
 
 def run_scenario(scenario: Scenario, workdir: Path, reps: int) -> Row:
     options = dict(scenario.rig)
-    if options.get("clock_offsets_s") == "midnight":  # midnight in 16 s: time to start, then the load
-        options["clock_offsets_s"] = [_to_midnight(16.0), _to_midnight(16.0) + 1.5]
+    if options.get("clock_offsets_s") == "midnight":  # day_boundary sets them back once all runs
+        options["clock_offsets_s"] = [_to_midnight(0.0), _to_midnight(0.0) + 1.5]
     with_services = Services()
     rig = Rig(workdir, with_services, **options)  # type: ignore[arg-type]
     try:
