@@ -32,7 +32,6 @@ import redis.asyncio as aioredis
 from flatfare.contract import QUOTA_EPOCH_KEY as EPOCH_KEY
 from flatfare.contract import QUOTA_REBUILD_LOCK_KEY as REBUILD_LOCK_KEY
 from flatfare.contract import quota_counter_key as counter_key
-from flatfare.contract import quota_counters_of_day
 from flatfare.redis_conn import REDIS_DOWN
 
 # Counters outlive their day by this much, so a late give-back still finds them.
@@ -124,7 +123,7 @@ class DailyQuota:
                 counts = await self._ledger_counts(days, not_counted)
                 stale: list[bytes] = []
                 for count_day in days:
-                    stale += [key async for key in self._redis.scan_iter(match=quota_counters_of_day(count_day))]
+                    stale += [key async for key in self._redis.scan_iter(match=counter_key("*", count_day))]
                 async with self._redis.pipeline(transaction=True) as pipe:
                     if stale:
                         pipe.delete(*stale)

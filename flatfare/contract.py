@@ -138,23 +138,19 @@ QUOTA_EPOCH_KEY = f"{PREFIX}:quota:epoch"
 QUOTA_REBUILD_LOCK_KEY = f"{PREFIX}:quota:rebuilding"
 
 
-def quota_counter_key(account_id: int, day: str) -> str:
-    """An account's count of requests on one quota day."""
+def quota_counter_key(account_id: int | str, day: str) -> str:
+    """An account's count of requests on one quota day; with ``account_id="*"``, the SCAN pattern of
+    every account's counter of that day."""
     return f"{PREFIX}:quota:{account_id}:{day}"
 
 
-def quota_counters_of_day(day: str) -> str:
-    """A SCAN pattern: every account's :func:`quota_counter_key` of ``day``."""
-    return f"{PREFIX}:quota:*:{day}"
+# The gateway process that delivers the meter-event outbox to Stripe holds this lease (its id).
+OUTBOX_LEADER_KEY = f"{PREFIX}:billing:outbox-leader"
 
 
 def grammars_key(account_id: int) -> str:
     """The output grammars an account had compiled recently (a sorted set, by first use in ms)."""
     return f"{PREFIX}:grammars:{account_id}"
-
-
-# The gateway process that delivers the meter-event outbox to Stripe holds this lease (its id).
-OUTBOX_LEADER_KEY = f"{PREFIX}:billing:outbox-leader"
 
 
 class Endpoint(StrEnum):

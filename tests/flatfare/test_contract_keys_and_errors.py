@@ -43,7 +43,7 @@ async def test_a_days_counter_pattern_finds_that_days_counters_only(redis: aiore
               contract.grammars_key(1), contract.OUTBOX_LEADER_KEY]
     for key in [*counters, *others]:
         await redis.set(key, 1)
-    assert {key async for key in redis.scan_iter(match=contract.quota_counters_of_day(day))} == counters
+    assert {key async for key in redis.scan_iter(match=contract.quota_counter_key("*", day))} == counters
 
 
 def test_every_error_builder_writes_the_one_envelope() -> None:
