@@ -62,15 +62,17 @@ env_flatfare() {
 }
 
 install_flatfare() {
-  # The wheel `python -m bench gpu prepare` built from the checkout, alone: its dependencies come from
-  # whl/ (setup) and the vLLM payload.
+  # The wheel `python -m bench gpu prepare` built from the checkout, with the wheels named (setup: whl/*, the
+  # dependencies; the rest come with the vLLM payload). One pip call for all: with --target --upgrade,
+  # each call replaces the folders it installs whole, bin/ included (a second call would drop py-spy).
   local wheels=("$WHEELS"/flatfare/flatfare-*.whl) out
   [ -f "${wheels[0]}" ] || die "no wheel in $WHEELS/flatfare: run python -m bench gpu prepare (carry .gpu_wheels)"
   [ "${#wheels[@]}" -eq 1 ] || die "more than one Flatfare wheel in $WHEELS/flatfare: ${wheels[*]}"
   mkdir -p "$FFSITE"
   out=$("$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$FFSITE" \
-    "${wheels[0]}" 2>&1) || die "pip could not install ${wheels[0]} into $FFSITE: $out"
-  say "installed $(basename "${wheels[0]}") into $FFSITE"
+    "${wheels[0]}" "$@" 2>&1) || die "pip could not install the wheels into $FFSITE: $out"
+  grep -v 'WARNING: Target directory' <<< "$out" || true
+  say "installed $(basename "${wheels[0]}") and $# other wheels into $FFSITE"
 }
 
 check_flatfare() {
@@ -127,10 +129,8 @@ link_bench() {
 
 setup() {
   [ -d "$WHEELS/whl" ] || die ".gpu_wheels not carried"
+  install_flatfare "$WHEELS"/whl/*.whl
   mkdir -p "$FFSITE/bin" "$FFSITE/lib"
-  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$FFSITE" \
-    "$WHEELS"/whl/*.whl 2>&1 | grep -v 'WARNING: Target directory' || true
-  install_flatfare
   link_bench
   cp "$WHEELS"/redis/lib/* "$FFSITE/lib/"
   cp "$WHEELS"/redis/redis-server "$FFSITE/lib/redis-server.bin"
