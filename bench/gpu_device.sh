@@ -51,12 +51,13 @@ free_gpu() {
 }
 
 env_flatfare() {
-  # vLLM 0.26's /tmp/site (device_setup.sh install) first, as before, so its fastapi and pydantic win.
+  # vLLM 0.26's /tmp/site (device_setup.sh install) first, as before, so its fastapi and pydantic win; then
+  # the installed wheels, then bench/ alone. The checkout's root is not on the path.
   # shellcheck disable=SC1090
   if [ -f "$VLLM_ENV" ]; then . "$VLLM_ENV"; fi
   export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$FFSITE:$FFBENCH
-  # Nor the working folder: `python -m bench` runs in the checkout's root, and bench.engine starts its load
-  # generator and vllm serve there, where the bare ./flatfare would come first and shadow the wheel.
+  # Nor is the working folder (Python >= 3.11): `python -m bench` runs in the checkout's root, and bench.engine
+  # starts its load generator and vllm serve there, where the bare ./flatfare would come first.
   export PYTHONSAFEPATH=1
   export PATH=$FFSITE/bin:$PATH
 }
