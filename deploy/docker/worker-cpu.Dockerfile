@@ -12,7 +12,6 @@ COPY flatfare ./flatfare
 COPY gateway ./gateway
 COPY workers ./workers
 COPY billing ./billing
-COPY bench ./bench
 COPY migrations ./migrations
 RUN pip wheel --no-deps --wheel-dir /wheels .
 
