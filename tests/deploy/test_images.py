@@ -81,7 +81,7 @@ def test_the_three_images_build_the_same_wheel() -> None:
 
 
 def test_the_build_context_leaves_out_environments_caches_and_results() -> None:
-    for name in (".venv", ".git", "bench", "bench/results", "tests", "__pycache__", "flatfare/__pycache__",
+    for name in (".venv", ".git", "bench", "tests", "__pycache__", "flatfare/__pycache__",
                  "flatfare.egg-info", "build", "dist"):
         assert docker_ignored(name), name
     for name in ("gateway", "workers", "billing", "migrations", "pyproject.toml", "README.md"):
