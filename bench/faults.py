@@ -123,6 +123,9 @@ class Rig:
             faked = {"LD_PRELOAD": str(FAKETIME), "FAKETIME_TIMESTAMP_FILE": str(self._clock_file(clock)),
                      "FAKETIME_DONT_FAKE_MONOTONIC": "1", "FAKETIME_NO_CACHE": "1"}
         environ = {k: v for k, v in os.environ.items() if k != "FAKETIME"}
+        # A gateway whose clock is ahead sees the others' heartbeats older by as much: without the
+        # skew added, it reaped a live fellow on a loaded machine (its flush late by 1.5 s).
+        skew = max(self.clock_offsets_s) - min(self.clock_offsets_s) if self.clock_offsets_s else 0.0
         return {**environ, **faked,
                 "FLATFARE_DATA_DIR": str(self.workdir), "FLATFARE_DATABASE_URL": self.database_url,
                 "FLATFARE_REDIS_URL": self.redis.url, "FLATFARE_LOG_LEVEL": "warning",
@@ -133,7 +136,7 @@ class Rig:
                 "FLATFARE_INSTANT_FIRST_TOKEN_DELAY_S": str(self.shape.first_token_delay_s),
                 "FLATFARE_INSTANT_TOKEN_DELAY_S": str(self.shape.token_delay_s),
                 # gateways: a silent one is settled after 3 s; Stripe answers within 1 s or is retried
-                "FLATFARE_GATEWAY_DEAD_AFTER_S": "3", "FLATFARE_REQUEST_TIMEOUT_S": str(self.request_timeout_s),
+                "FLATFARE_GATEWAY_DEAD_AFTER_S": f"{3 + skew:g}", "FLATFARE_REQUEST_TIMEOUT_S": str(self.request_timeout_s),
                 "FLATFARE_LOST_JOB_AFTER_S": "2", "FLATFARE_MAX_INFLIGHT": str(self.max_inflight),
                 "FLATFARE_STRIPE_API_KEY": "sk_test_faults", "FLATFARE_STRIPE_WEBHOOK_SECRET": "whsec_faults",
                 "FLATFARE_STRIPE_API_BASE": self.edge.url, "FLATFARE_STRIPE_TIMEOUT_S": "1",
