@@ -198,9 +198,51 @@ async def test_a_close_waits_while_the_database_is_shutting_down(sessions) -> No
         assert (await session.get(RequestRecord, "r")).status == "succeeded"
 
 
+def _schema(database_url: str) -> tuple[dict[str, set[str]], str | None, int]:
+    """Each table's columns, the migration revision, and the seeded plans (-1 without the table)."""
+    from sqlalchemy import create_engine as create_sync_engine
+    from sqlalchemy import inspect, text
+
+    from tests.conftest import sync_url
+
+    engine = create_sync_engine(sync_url(database_url))
+    try:
+        with engine.connect() as conn:
+            inspector = inspect(conn)
+            tables = {t: {c["name"] for c in inspector.get_columns(t)} for t in inspector.get_table_names()}
+            revision = conn.execute(text("SELECT version_num FROM alembic_version")).scalar() \
+                if "alembic_version" in tables else None
+            plans = conn.execute(text("SELECT count(*) FROM plans")).scalar() if "plans" in tables else -1
+    finally:
+        engine.dispose()
+    tables.pop("alembic_version", None)
+    return tables, revision, plans
+
+
 def test_downgrade_and_upgrade_again(database_url: str) -> None:
-    command.downgrade(alembic_config(database_url), "base")
-    migrate(database_url)
+    """Every migration's downgrade undoes it, one step at a time, down to an empty database, and its
+    upgrade brings back exactly what the downgrade took; at head the tables are the models', seeded."""
+    from alembic.script import ScriptDirectory
+
+    from flatfare.storage.models import Base
+
+    config = alembic_config(database_url)
+    revisions = [r.revision for r in ScriptDirectory.from_config(config).walk_revisions()]  # newest first
+    head, _, plans = _schema(database_url)
+    assert _schema(database_url)[1] == revisions[0] and plans == 5
+    assert {t: set(Base.metadata.tables[t].columns.keys()) for t in Base.metadata.tables} == head
+    at_revision = {}
+    for revision, older in zip(revisions, [*revisions[1:], None]):
+        at_revision[revision] = _schema(database_url)[0]
+        command.downgrade(config, older or "base")
+        tables, at, _ = _schema(database_url)
+        assert at == older and tables != at_revision[revision], f"the downgrade of {revision} changed nothing"
+    assert _schema(database_url) == ({}, None, -1)
+    for revision in reversed(revisions):
+        migrate(database_url, revision)
+        tables, at, _ = _schema(database_url)
+        assert at == revision and tables == at_revision[revision]
+    assert _schema(database_url) == (head, revisions[0], 5)
 
 
 def test_migrations_match_the_models(database_url: str) -> None:
