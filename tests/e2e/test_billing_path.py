@@ -19,7 +19,7 @@ import pytest
 from bench.stripe_edge import StripeEdge
 from flatfare.billing.plans import quota_window
 from flatfare.redis_local import free_port
-from tests.conftest import launch_stack
+from tests.conftest import eventually, launch_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -158,9 +158,10 @@ def test_payment_failure_makes_the_account_past_due(billing) -> None:
     failed = {"id": "evt_pay_failed", "type": "invoice.payment_failed", "created": now,
               "data": {"object": {"id": "in_1", "customer": "cus_late", "subscription": "sub_late"}}}
     assert _post_event(stack, failed).status_code == 200
-    time.sleep(0.3)
-    refused = httpx.post(f"{stack.base_url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
-                         json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    refused = eventually(lambda: httpx.post(f"{stack.base_url}/v1/chat/completions",
+                                            headers={"Authorization": f"Bearer {key}"},
+                                            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}),
+                         lambda r: r.status_code != 200, "the account past due, past the auth cache")
     assert refused.status_code == 403 and "past due" in refused.json()["error"]["message"]
     paid = {**failed, "id": "evt_paid", "type": "invoice.payment_succeeded", "created": now + 1}
     assert _post_event(stack, paid).status_code == 200

@@ -17,7 +17,7 @@ from flatfare.billing.ledger import RETRY_S
 from flatfare.billing.plans import quota_window
 from flatfare.billing.quota import counter_key
 from flatfare import contract
-from tests.conftest import launch_stack
+from tests.conftest import eventually, launch_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -104,14 +104,17 @@ def test_caps_refuse_before_counting(qstack) -> None:
     account_id, key = _account(qstack, "capped", plan="free")
     qstack.sql("UPDATE plans SET allowed_models = NULL WHERE name = 'free'")
     try:
-        time.sleep(0.3)  # the plans cache
-        too_many = _post(qstack, key, {"model": MODEL, "messages": MESSAGES, "n": 2})
+        too_many = eventually(lambda: _post(qstack, key, {"model": MODEL, "messages": MESSAGES, "n": 2}),
+                              lambda r: r.status_code != 403, "the plan's new models, past the plans cache",
+                              in_a_row=20)  # every gateway process's cache
         assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
         too_long = _post(qstack, key, {"model": MODEL, "messages": MESSAGES, "max_tokens": 100_000})
         assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
     finally:
         qstack.sql("UPDATE plans SET allowed_models = '[\"smollm2-135m-instruct\"]' WHERE name = 'free'")
-    time.sleep(0.3)
+    # Waited for with a request over the caps: refused, never counted, whichever plan the cache holds.
+    eventually(lambda: _post(qstack, key, {"model": MODEL, "messages": MESSAGES, "n": 2}),
+               lambda r: r.status_code == 403, "the plan's models restored, past the plans cache", in_a_row=20)
     outside = _post(qstack, key, {"model": MODEL, "messages": MESSAGES})
     assert outside.status_code == 403 and outside.json()["error"]["code"] == "model_not_allowed"
     assert _counter(qstack, account_id) == 0
@@ -121,8 +124,8 @@ def test_caps_refuse_before_counting(qstack) -> None:
 def test_suspended_account_gets_403(qstack) -> None:
     _, key = _account(qstack, "suspended")
     qstack.sql("UPDATE accounts SET status = 'suspended' WHERE name = 'suspended'")
-    time.sleep(0.3)  # the auth cache
-    response = _post(qstack, key, {"model": MODEL, "messages": MESSAGES})
+    response = eventually(lambda: _post(qstack, key, {"model": MODEL, "messages": MESSAGES}),
+                          lambda r: r.status_code != 200, "the suspension, past the auth cache")
     assert response.status_code == 403 and "suspended" in response.json()["error"]["message"]
 
 

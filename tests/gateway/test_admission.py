@@ -97,7 +97,9 @@ async def test_the_reply_router_hands_each_entry_to_its_own_request(redis) -> No
         await redis.xadd(stream, Reply(ReplyKind.RESPONSE, "{}", usage=Usage(3, 4)).to_fields("b"))
         await redis.xadd(stream, Reply(ReplyKind.END, usage=Usage(1, 2)).to_fields("a"))
         replies_a: list[Reply] = []
+        deadline = time.monotonic() + 10
         while not replies_a or not replies_a[-1].kind.terminal:
+            assert time.monotonic() < deadline, f"no terminal reply for 'a' within 10 s: {replies_a}"
             replies_a += await first.next(2.0)
         assert [r.kind for r in replies_a] == [ReplyKind.CHUNK, ReplyKind.END]
         assert replies_a[0].data == '{"n":1}' and replies_a[0].started_ms == 5 and replies_a[1].usage == Usage(1, 2)
