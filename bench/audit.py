@@ -31,9 +31,12 @@ import redis as redis_py
 from sqlalchemy import create_engine, text
 
 from bench.stripe_edge import Answer, MeterCall
+from flatfare import contract
 
-# The quota's counter keys (flatfare.billing.quota.counter_key), not its epoch marker or lock.
-_COUNTER = re.compile(r"^ff:quota:(\d+):(\d{4}-\d{2}-\d{2})$")
+# The quota's counters (contract.quota_counter_key), not its epoch marker or rebuild lock.
+_COUNTERS = contract.quota_counter_key("*", "*")
+_COUNTER = re.compile("^" + re.escape(contract.quota_counter_key("ACCOUNT", "DAY"))
+                      .replace("ACCOUNT", r"(\d+)").replace("DAY", r"(\d{4}-\d{2}-\d{2})") + "$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +83,7 @@ def read_books(database_url: str, redis_url: str, received: Iterable[MeterCall])
     client = redis_py.Redis.from_url(redis_url)
     try:
         counters = {}
-        for key in client.scan_iter(match="ff:quota:*"):
+        for key in client.scan_iter(match=_COUNTERS):
             found = _COUNTER.match(key.decode())
             if found:
                 counters[(int(found[1]), found[2])] = int(client.get(key) or 0)
