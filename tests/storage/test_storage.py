@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sqlite3
+import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
 
+import psycopg
 import pytest
 from alembic import command
 from sqlalchemy import func, select
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import SQLAlchemyError
 
-from flatfare.billing.ledger import Charge, DuplicateIdempotencyKey, Ledger, Outcome
+from bench.postgres import PrivatePostgres, postgres_unavailable
+from bench.procs import Services
+from flatfare.billing.ledger import RETRY_S, Charge, DuplicateIdempotencyKey, Ledger, Outcome
 from flatfare.storage.accounts import AccountError, ensure_account, issue_key
 from flatfare.storage.db import alembic_config, create_engine, migrate, session_factory
 from flatfare.storage.keys import KEY_PREFIX, hash_key, looks_like_key
@@ -140,62 +147,119 @@ async def test_a_reused_idempotency_key_fails_only_its_own_write(sessions) -> No
     assert ids == {"a", "c", "d"}
 
 
-async def test_a_database_lost_in_the_middle_of_a_batch_leaves_no_write_waiting(sessions) -> None:
-    """The database stops while a batch is written: its first error does not say it is gone (an admin
-    shutdown), the one-by-one retry then meets a reset connection. Opens must fail at once and closes
-    wait for the database and land; before, the writer died and its waiters hung for ever."""
+@pytest.fixture
+def private_postgres(tmp_path) -> Iterator[PrivatePostgres]:  # noqa: ANN001
+    """A PostgreSQL cluster of the test's own, migrated: it can be stopped and started (bench/postgres.py)."""
+    reason = postgres_unavailable()
+    if reason:
+        pytest.skip(reason)
+    services = Services()
+    pg = PrivatePostgres(services, tmp_path).start()
+    try:
+        migrate(pg.url)
+        yield pg
+    finally:
+        services.stop_all()
+        pg.stop()
+
+
+def _psql(pg: PrivatePostgres, query: str, **params: object) -> list[tuple]:
+    with psycopg.connect(f"host={pg.address} port={pg.port} user=postgres dbname=flatfare", autocommit=True,
+                         connect_timeout=5) as conn:
+        return conn.execute(query, params).fetchall()
+
+
+async def _until(predicate, what: str, timeout_s: float = 30) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.postgres
+async def test_a_database_stopped_in_the_middle_of_a_batch_leaves_no_write_waiting(private_postgres) -> None:
+    """PostgreSQL stops (`pg_ctl stop -m fast`) in the middle of a batch whose first error did not
+    say the database is away (a reused Idempotency-Key: the batch is retried one write at a time),
+    while the retry is inside a write. The opens after it must fail at once (their requests are
+    refused) and the close wait for the database and land once it is back; before, the writer died
+    when the one-by-one retry met the reset connection, and its waiters hung for ever."""
+    pg = private_postgres
+    engine = create_engine(pg.url, pool_size=2)
+    sessions = session_factory(engine)
     issued = await _issued_key(sessions)
     ledger = Ledger(sessions)
-    real_commit = ledger._commit
-    failures = [DBAPIError("COMMIT", None, Exception("terminating connection due to administrator command")),
-                ConnectionResetError(104, "Connection reset by peer")]
 
-    async def commit(batch) -> None:  # the database's side of the fault, at the driver's edge
-        if failures:
-            raise failures.pop(0)
-        await real_commit(batch)
+    def start_open(request_id: str, key: str | None = None) -> asyncio.Future[None]:
+        return ledger.start_open(request_id=request_id, account_id=issued.account_id, api_key_id=issued.key_id,
+                                 model="m", endpoint="chat", stream=False, created_at=datetime.now(UTC),
+                                 idempotency_key=key)
 
-    await ledger.open(request_id="closing", account_id=issued.account_id, api_key_id=issued.key_id, model="m",
-                      endpoint="chat", stream=False, created_at=datetime.now(UTC))
-    ledger._commit = commit  # type: ignore[method-assign]
-    opening = ledger.start_open(request_id="opening", account_id=issued.account_id, api_key_id=issued.key_id,
-                                model="m", endpoint="chat", stream=False, created_at=datetime.now(UTC))
-    closing = ledger.start_close("closing", Outcome(RequestStatus.SUCCEEDED, 200, completion_tokens=3))
-    async with asyncio.timeout(10):
-        with pytest.raises(OSError):
-            await ledger.opened(opening)
+    await ledger.opened(start_open("closing"))
+    # Another client holds the row, so the retry's close waits inside its transaction: the stop comes mid-write.
+    blocker = psycopg.connect(f"host={pg.address} port={pg.port} user=postgres dbname=flatfare")
+    blocker.execute("SELECT id FROM requests WHERE id = 'closing' FOR UPDATE")
+    try:
+        first, reused = start_open("first", "order-1"), start_open("reused", "order-1")
+        closing = ledger.start_close("closing", Outcome(RequestStatus.SUCCEEDED, 200, completion_tokens=3))
+        after = start_open("after")
+        await _until(lambda: _psql(pg, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
+                     == [(1,)], "the batch's retry never reached the locked row")
+        await ledger.opened(first, "order-1")
+        with pytest.raises(DuplicateIdempotencyKey):
+            await ledger.opened(reused, "order-1")
+        pg.pause()
+        async with asyncio.timeout(30):
+            with pytest.raises((SQLAlchemyError, OSError)):
+                await ledger.opened(after)
+        await asyncio.sleep(3 * RETRY_S)  # the close is tried again while the database is down ...
+        assert not closing.done()  # ... and keeps waiting: it neither failed nor was dropped
+    finally:
+        blocker.close()
+    pg.resume()
+    async with asyncio.timeout(30):
         await closing
-    async with sessions() as session:
-        rows = {r.id: r for r in await session.scalars(select(RequestRecord))}
-    assert set(rows) == {"closing"} and rows["closing"].status == "succeeded"
+    rows = _psql(pg, "SELECT id, status, completion_tokens FROM requests ORDER BY id")
+    assert rows == [("closing", "succeeded", 3), ("first", "queued", 0)]
+    await engine.dispose()
 
 
-class _ShuttingDown(Exception):
-    """What asyncpg raises while PostgreSQL shuts down or starts (a plain error, not a lost connection)."""
-
-    sqlstate = "57P03"
-
-
-async def test_a_close_waits_while_the_database_is_shutting_down(sessions) -> None:
-    """"The database system is shutting down" is the database being away, not the write being wrong:
-    the close waits and lands (it used to fail, leaving the row open and its unit held)."""
+@pytest.mark.postgres
+async def test_a_close_waits_while_the_database_is_shutting_down(private_postgres) -> None:
+    """A close that meets "the database system is shutting down" (SQLSTATE 57P03: PostgreSQL in a
+    smart shutdown, waiting for its last clients, refuses new connections) waits and lands once the
+    database is back; it used to fail for good, leaving the row open and its unit held."""
+    pg = private_postgres
+    engine = create_engine(pg.url, pool_size=2)
+    sessions = session_factory(engine)
     issued = await _issued_key(sessions)
     ledger = Ledger(sessions)
     await ledger.open(request_id="r", account_id=issued.account_id, api_key_id=issued.key_id, model="m",
                       endpoint="chat", stream=False, created_at=datetime.now(UTC))
-    real_commit = ledger._commit
-    failures = [DBAPIError("UPDATE", None, _ShuttingDown("the database system is shutting down"))]
+    await engine.dispose()  # the close below opens a new connection
+    blocker = psycopg.connect(f"host={pg.address} port={pg.port} user=postgres dbname=flatfare")
+    try:
+        os.kill(pg.service.process.pid, signal.SIGTERM)  # a smart shutdown: it waits for the blocker
 
-    async def commit(batch) -> None:
-        if failures:
-            raise failures.pop(0)
-        await real_commit(batch)
+        def shutting_down() -> bool:
+            try:
+                _psql(pg, "SELECT 1")
+            except psycopg.OperationalError as exc:
+                return "shutting down" in str(exc)
+            return False
 
-    ledger._commit = commit  # type: ignore[method-assign]
-    async with asyncio.timeout(10):
-        await ledger.close("r", Outcome(RequestStatus.SUCCEEDED, 200, completion_tokens=3))
-    async with sessions() as session:
-        assert (await session.get(RequestRecord, "r")).status == "succeeded"
+        await _until(shutting_down, "PostgreSQL never began its shutdown")
+        closing = ledger.start_close("r", Outcome(RequestStatus.SUCCEEDED, 200, completion_tokens=3))
+        await _until(lambda: ledger.unreachable_until > 0 or closing.done(), "the close never met the shutdown")
+        assert not closing.done()  # it waits for the database rather than failing
+    finally:
+        blocker.close()
+    pg.service.process.wait(timeout=60)  # the last client gone, the shutdown completes
+    pg.services.stop(pg.service)
+    pg.resume()
+    async with asyncio.timeout(30):
+        await closing
+    assert _psql(pg, "SELECT status, completion_tokens FROM requests WHERE id = 'r'") == [("succeeded", 3)]
+    await engine.dispose()
 
 
 def _schema(database_url: str) -> tuple[dict[str, set[str]], str | None, int]:
