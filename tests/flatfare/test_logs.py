@@ -6,10 +6,16 @@ import asyncio
 import json
 import logging
 import logging.config
+import time
+import uuid
 
 import pytest
 
-from flatfare.logs import bind, configure_logging, dict_config, log_context, prompts_enabled, redact
+from flatfare import contract
+from flatfare.contract import Endpoint, Job, Reply, WorkerInfo
+from flatfare.logs import bind, configure_logging, dict_config, log_context, redact
+from flatfare.workers.instant import FILLER, InstantEngine
+from flatfare.workers.loop import WorkerLoop
 
 KEY = "ff-" + "A1b2C3d4" + "x" * 35
 
@@ -78,12 +84,41 @@ def test_redact_leaves_ordinary_text_alone() -> None:
     assert redact("chatcmpl-abc model ff-short bearer") == "chatcmpl-abc model ff-short bearer"
 
 
-def test_prompts_are_off_unless_switched_on() -> None:
-    configure_logging("info", "text")
-    assert not prompts_enabled()
-    configure_logging("info", "text", log_prompts=True)
-    assert prompts_enabled()
-    configure_logging("info", "text")
+async def _serve_one(redis, content: str) -> str:  # noqa: ANN001 - a redis.asyncio client
+    """One chat job through a real worker loop (the instant engine) on the private Redis; its request id."""
+    engine = InstantEngine(tokens=2)
+    info = WorkerInfo(worker_id=f"w-{uuid.uuid4().hex[:6]}", model="m", max_model_len=engine.max_model_len,
+                      capacity=4, engine="instant")
+    worker = WorkerLoop(redis, engine, info, lease_s=5)
+    running = asyncio.create_task(worker.run())
+    request_id = uuid.uuid4().hex
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": content}]})
+    await redis.xadd(contract.job_stream("m"), Job(request_id, Endpoint.CHAT, body, int(time.time() * 1000)).to_fields())
+    deadline = time.monotonic() + 20
+    while not any(Reply.from_fields(f).kind.terminal for _, f in await redis.xrange(contract.reply_stream(request_id))):
+        assert time.monotonic() < deadline, "the worker never answered"
+        await asyncio.sleep(0.02)
+    worker.stop()
+    await asyncio.wait_for(running, 20)
+    return request_id
+
+
+async def test_a_worker_logs_prompts_only_when_switched_on(lines, redis) -> None:
+    """FLATFARE_LOG_PROMPTS: off by default, a worker's log has no prompt or output; switched on, it
+    has the job's prompt and its (non-streaming) output, on lines that carry the job's request id."""
+    lines()  # JSON lines, prompts off: the default
+    quiet = f"a private question {uuid.uuid4().hex}"
+    quiet_id = await _serve_one(redis, quiet)
+    configure_logging("info", "json", log_prompts=True)
+    loud = f"a question to debug {uuid.uuid4().hex}"
+    loud_id = await _serve_one(redis, loud)
+    configure_logging("info", "json")
+    records = lines()
+    assert quiet not in json.dumps(records)
+    assert not [r for r in records if r.get("request_id") == quiet_id and ("prompt" in r or "output" in r)]
+    mine = [r for r in records if r.get("request_id") == loud_id]
+    assert [r["prompt"] for r in mine if "prompt" in r] == [[{"role": "user", "content": loud}]]
+    assert any(InstantEngine(tokens=2).tokens * FILLER in r.get("output", "") for r in mine)
 
 
 def test_dict_config_is_the_same_format(capsys: pytest.CaptureFixture[str]) -> None:
