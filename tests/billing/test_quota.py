@@ -65,13 +65,17 @@ async def test_concurrent_admissions_of_two_gateways_stop_exactly_at_the_limit(r
     assert await redis.xlen(contract.job_stream(POOL, Lane.STANDARD)) == 60  # a refused request queues nothing
 
 
-async def test_day_boundary_with_an_injected_clock(redis) -> None:
+async def test_requests_100_ms_either_side_of_midnight_count_against_their_own_days(redis) -> None:
+    """The quota day comes from the time the caller passes to quota_window (no clock is read here):
+    a claim made just before midnight and one just after land on two counters, each with its own
+    allowance, and each counter expires on its own."""
     await redis.set(EPOCH_KEY, "g1")
     queue = _queue(redis, _quota(redis))
     # Tonight's midnight (UTC), so the counters' expiry stays in the future whatever today is.
     midnight = quota_window("UTC", datetime.now(UTC)).resets_at
     late = _claim(7, quota_window("UTC", midnight - timedelta(milliseconds=100)), 1)
     early = _claim(7, quota_window("UTC", midnight + timedelta(milliseconds=100)), 1)
+    assert late.day != early.day
     assert await _used(queue, 0, late) == 1
     assert await _used(queue, 1, late) is None
     assert await _used(queue, 2, early) == 1  # a new day, a new allowance
