@@ -23,6 +23,7 @@ from flatfare.storage.accounts import AccountError, ensure_account, issue_key
 from flatfare.storage.db import alembic_config, create_engine, migrate, session_factory
 from flatfare.storage.keys import KEY_PREFIX, hash_key, looks_like_key
 from flatfare.storage.models import ApiKey, CatalogModel, Plan, RequestRecord, RequestStatus, UsageOutbox
+from tests.conftest import unavailable
 
 
 @pytest.fixture
@@ -152,7 +153,7 @@ def private_postgres(tmp_path) -> Iterator[PrivatePostgres]:  # noqa: ANN001
     """A PostgreSQL cluster of the test's own, migrated: it can be stopped and started (bench/postgres.py)."""
     reason = postgres_unavailable()
     if reason:
-        pytest.skip(reason)
+        unavailable(reason)
     services = Services()
     pg = PrivatePostgres(services, tmp_path).start()
     try:
