@@ -65,6 +65,9 @@ class Plan(Base):
     # None: every model in the catalog.
     allowed_models: Mapped[list[str] | None] = mapped_column(JSON)
     max_output_tokens: Mapped[int | None] = mapped_column(Integer)
+    # Input tokens one request may send; None: the model's context is the only bound.
+    max_prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    # Sequences one request may generate: prompts x n (x best_of when larger).
     max_n: Mapped[int] = mapped_column(Integer, default=1)
     max_body_bytes: Mapped[int] = mapped_column(Integer, default=1_048_576)
     timezone: Mapped[str] = mapped_column(String(64), default="UTC")
@@ -105,6 +108,10 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     # Set on the old key when it is rotated: it keeps working until then.
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    # None: the account's plan decides; a list narrows the models this key may use.
+    allowed_models: Mapped[list[str] | None] = mapped_column(JSON)
+    # None: the account's daily limit; a number caps this key's requests a day below it.
+    daily_limit: Mapped[int | None] = mapped_column(Integer)
 
 
 class CatalogModel(Base):
