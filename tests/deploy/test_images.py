@@ -4,14 +4,23 @@ the image installs that wheel (never the source tree), and runs a real `flatfare
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 import typer
 
 from flatfare.cli.main import app
+from flatfare.redis_local import free_port
+from flatfare.storage.db import migrate
+from tests.conftest import postgres_database
 from tests.deploy.files import (
     DEPLOY,
     DOCKERFILES,
@@ -161,3 +170,72 @@ def test_the_gateway_image_writes_only_under_tmp() -> None:
         assert env[name].startswith("/tmp/"), f"{name}={env[name]} is outside /tmp"
     assert env.get("PYTHONDONTWRITEBYTECODE") == "1"
     assert "TMPDIR" not in env  # temporary files go to /tmp as well
+
+
+# Inside a mount namespace of its own: every filesystem remounted read-only but /proc, /sys and /dev,
+# and a fresh tmpfs on /tmp, as Kubernetes runs the pod (readOnlyRootFilesystem, an emptyDir on /tmp).
+READ_ONLY_ROOT = """
+for target in $(findmnt -rn -o TARGET); do
+  case "$target" in /proc*|/sys*|/dev*) ;; *) mount -o remount,bind,ro "$target" 2>/dev/null ;; esac
+done
+mount -t tmpfs tmpfs /tmp
+touch /flatfare-probe 2>/dev/null && exit 97
+exec "$@"
+"""
+
+
+def _read_only_root_unavailable() -> str | None:
+    if shutil.which("unshare") is None or shutil.which("findmnt") is None:
+        return "unshare and findmnt (util-linux) are not installed"
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", READ_ONLY_ROOT, "sh",
+                            "true"], capture_output=True, timeout=30, check=False)
+    return None if probe.returncode == 0 else f"cannot make a read-only mount namespace here ({probe.returncode})"
+
+
+def test_the_gateway_needs_no_writable_path_outside_tmp(local_redis, tmp_path: Path) -> None:
+    """No container engine here, so the gateway runs as the image's command, with its environment, on
+    a read-only root with only /tmp writable (a mount namespace of its own): it starts, answers an
+    authenticated request, and serves the metrics its processes write."""
+    reason = _read_only_root_unavailable()
+    if reason:
+        pytest.skip(reason)
+    log = tmp_path / "gateway.log"
+    _, image = _stages(GATEWAY_DOCKERFILE)
+    for database_url in postgres_database():
+        migrate(database_url)
+        base = {**os.environ, "FLATFARE_DATABASE_URL": database_url, "FLATFARE_REDIS_URL": local_redis.url}
+        key = subprocess.run([sys.executable, "-m", "flatfare", "keys", "create", "--account", "ro"], env=base,
+                             capture_output=True, text=True, timeout=120, check=True).stdout.strip()
+        port = free_port()
+        env = {"PATH": os.environ["PATH"], "HOME": "/nonexistent", **image_env(image), "FLATFARE_HOST": "127.0.0.1",
+               "FLATFARE_PORT": str(port), "FLATFARE_DATABASE_URL": database_url, "FLATFARE_REDIS_URL": local_redis.url}
+        command = json.loads(next(args for op, args in image.steps if op == "CMD"))
+        gateway = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", READ_ONLY_ROOT, "sh",
+                                    sys.executable, "-m", "flatfare", *command], env=env, cwd="/",
+                                   stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 60
+            while True:
+                assert gateway.poll() is None, log.read_text()[-3000:]
+                try:
+                    if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, f"the gateway never answered: {log.read_text()[-3000:]}"
+                time.sleep(0.2)
+            auth = {"Authorization": f"Bearer {key}"}
+            assert httpx.get(f"{url}/v1/models", headers=auth, timeout=10).status_code == 200
+            refused = httpx.post(f"{url}/v1/chat/completions", headers=auth, timeout=10, json={
+                "model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "hi"}]})
+            assert refused.json()["error"]["code"] == "model_unavailable"  # authenticated, counted nothing
+            # The 503 counted in a process's metric file (FLATFARE_METRICS_DIR), read back by a scrape.
+            counted = [line for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+                       if line.startswith("flatfare_requests_total{") and 'status="503"' in line]
+            assert counted and counted[0].endswith(" 1.0"), counted
+        finally:
+            gateway.terminate()
+            gateway.wait(timeout=30)
+        text = log.read_text()
+        assert "Read-only file system" not in text and "Permission denied" not in text, text[-3000:]
