@@ -149,3 +149,22 @@ def test_scaled_services_use_images_built_from_the_wheel(spec) -> None:
         assert build["context"] == "."
         text = (REPO / build["dockerfile"]).read_text()
         assert "AS wheel" in text and "/wheels/flatfare-" in text, f"{name}'s image does not install the wheel"
+
+
+def test_the_gateway_service_keeps_the_images_unprivileged_user_and_writes_under_tmp(spec) -> None:
+    """docs/OPERATIONS.md: the gateway image runs unprivileged and writes only in /tmp
+    (tests/deploy/test_images.py). Compose must not undo either: no root user, no data, metrics or
+    temporary folder moved out of /tmp; and a read-only root, where one is set, keeps /tmp writable."""
+    gateway = spec["services"]["gateway"]
+    assert str(gateway.get("user", "flatfare")).split(":")[0] not in ("root", "0")
+    environment = gateway.get("environment", {})
+    if isinstance(environment, list):
+        environment = dict(item.partition("=")[::2] for item in environment)
+    for name in ("FLATFARE_DATA_DIR", "FLATFARE_METRICS_DIR", "TMPDIR"):
+        value = environment.get(name)
+        assert value is None or str(value).startswith("/tmp/"), f"the gateway writes {name}={value}"
+    if gateway.get("read_only"):
+        tmpfs = gateway.get("tmpfs", [])
+        assert "/tmp" in ([tmpfs] if isinstance(tmpfs, str) else tmpfs) or any(
+            v.get("type") == "tmpfs" and v.get("target") == "/tmp" for v in gateway.get("volumes", [])
+            if isinstance(v, dict))
