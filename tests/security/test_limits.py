@@ -72,7 +72,7 @@ def nested(depth: int) -> dict[str, Any]:
     ({"top_logprobs": 1000, "logprobs": True}, "top_logprobs"),
     ({"prompt_logprobs": -1}, "prompt_logprobs"),  # -1: every vocabulary entry for every prompt token
     ({"prompt_logprobs": 100}, "prompt_logprobs"),
-    ({"stop": ["x"] * 17}, "stop"),
+    ({"stop": ["x"] * 5}, "stop"),
     ({"stop": "x" * 513}, "stop"),
     ({"stop": ["ok", "x" * 513]}, "stop"),
     ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
