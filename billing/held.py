@@ -25,7 +25,7 @@ import uuid
 import redis.asyncio as aioredis
 
 from flatfare.billing.ledger import Ledger
-from flatfare.billing.quota import DailyQuota, QuotaUnavailable
+from flatfare.billing.quota import DailyQuota, QuotaUnavailable, parse_held
 from flatfare import contract
 from flatfare.redis_conn import REDIS_DOWN
 from flatfare.storage.db import DATABASE_DOWN
@@ -49,19 +49,20 @@ class HeldUnits:
         self._quota = quota
         self._dead_after_ms = int(dead_after_s * 1000)
         self._released: list[str] = []
-        self._owed: list[tuple[int, str, str, str]] = []  # give-backs that found Redis away
+        self._owed: list[tuple[int, str, str, str, int | None]] = []  # give-backs that found Redis away
         self._task: asyncio.Task[None] | None = None
 
     def release(self, request_id: str) -> None:
         """The request was charged: its unit stays counted and is no longer this process's to settle."""
         self._released.append(request_id)
 
-    def give_back_later(self, account_id: int, day: str, request_id: str, generation: str) -> None:
+    def give_back_later(self, account_id: int, day: str, request_id: str, generation: str,
+                        key_id: int | None = None) -> None:
         """A give-back that failed (Redis unreachable): tried again with every pass until it is done.
         ``generation`` '': an admission whose answer was lost (Redis went away during the call), so
         whether it counted, held and queued the request is unknown; its job is cancelled and its unit
-        given back if it is held."""
-        self._owed.append((account_id, day, request_id, generation))
+        given back if it is held. ``key_id``: the key whose counter the unit counted too."""
+        self._owed.append((account_id, day, request_id, generation, key_id))
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="held-units")
@@ -93,10 +94,10 @@ class HeldUnits:
             try:
                 await self._flush()
                 while self._owed:
-                    account_id, day, request_id, generation = self._owed[0]
+                    account_id, day, request_id, generation, key_id = self._owed[0]
                     if not generation:
                         await self._redis.set(contract.cancel_key(request_id), 1, ex=contract.CANCEL_TTL_S)
-                    await self._quota.give_back(account_id, day, request_id, self.key, generation)
+                    await self._quota.give_back(account_id, day, request_id, self.key, generation, key_id)
                     self._owed.pop(0)
                 if time.monotonic() >= reap_at:
                     reap_at = time.monotonic() + REAP_EVERY_S
@@ -138,8 +139,8 @@ class HeldUnits:
                     pipe.hdel(key, *(rid for rid in held if billable.get(rid, False)))
                 await pipe.execute()
             for request_id in free:
-                account_id, day = held[request_id].rsplit(":", 1)
-                given_back += await self._quota.give_back(int(account_id), day, request_id, key, "")
+                account_id, day, key_id = parse_held(held[request_id])
+                given_back += await self._quota.give_back(account_id, day, request_id, key, "", key_id)
             log.warning("gateway %s died holding %d units: %d given back, %d charged", gateway_id, len(held),
                         given_back, len(held) - len(free))
         if not await self._redis.hlen(key):

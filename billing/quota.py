@@ -13,10 +13,14 @@ before setting the marker again. The marker's value is the counters' generation:
 rebuild.
 
 Every counted unit is also *held* by the gateway process that counted it, in that process's hash
-``contract.held_units(gateway_id)`` (request id -> "account:day"), until the request is settled:
+``contract.held_units(gateway_id)`` (request id -> "account:day:key"), until the request is settled:
 a billable request releases it, a free one gives it back. The give-back script removes the held
 entry and decrements in one step, so a unit is given back at most once, whoever does it: the
 gateway itself, or the reaper (billing/held.py) for a gateway that died with units held.
+
+Each API key has a counter of its own too (``contract.key_quota_counter_key``), counted by the same
+admission script as its account's, and refused at the key's own daily cap (:data:`KEY_QUOTA_CHECK`).
+A unit given back is given back to both counters in the one step, and a rebuild recomputes both.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import redis.asyncio as aioredis
 # The keys are the contract's; this module's names for them are the ones its importers know.
 from flatfare.contract import QUOTA_EPOCH_KEY as EPOCH_KEY
 from flatfare.contract import QUOTA_REBUILD_LOCK_KEY as REBUILD_LOCK_KEY
+from flatfare.contract import key_quota_counter_key as key_counter_key
 from flatfare.contract import quota_counter_key as counter_key
 from flatfare.redis_conn import REDIS_DOWN
 
@@ -53,14 +58,32 @@ used = redis.call('INCR', KEYS[1])
 redis.call('EXPIREAT', KEYS[1], ARGV[2])
 """
 REBUILT = -1
+# The key's cap, checked after the account's (KEYS[5]: the key's counter of the day; ARGV[7]: its cap,
+# -1 for none, '' for a claim that counts no key). Leaves ``key_used``; returns {3, used, key_used}
+# when the key's cap is reached. Nothing is counted before both checks passed.
+KEY_QUOTA_CHECK = """
+local key_used = 0
+if ARGV[7] ~= '' then
+    key_used = tonumber(redis.call('GET', KEYS[5]) or '0')
+    if ARGV[7] ~= '-1' and key_used >= tonumber(ARGV[7]) then return {3, used, key_used} end
+end
+"""
+KEY_QUOTA_COUNT = """
+if ARGV[7] ~= '' then
+    key_used = redis.call('INCR', KEYS[5])
+    redis.call('EXPIREAT', KEYS[5], ARGV[2])
+end
+"""
 
-# KEYS: the day's counter, the holder's hash, the epoch marker; ARGV: the request id, the generation
-# it was counted in ('': only if still held). A unit no longer held was released or given back
-# already, unless the counters were rebuilt since it was counted (the holder's hash went with the
-# lost data, and the rebuild counted the request's open ledger row).
+# KEYS: the day's counter, the holder's hash, the epoch marker, and the key's counter of the day
+# when the unit counted one; ARGV: the request id, the generation it was counted in ('': only if
+# still held). A unit no longer held was released or given back already, unless the counters were
+# rebuilt since it was counted (the holder's hash went with the lost data, and the rebuild counted
+# the request's open ledger row, for its account and its key).
 _GIVE_BACK = """
 if redis.call('HDEL', KEYS[2], ARGV[1]) == 0
     and (ARGV[2] == '' or redis.call('GET', KEYS[3]) == ARGV[2]) then return -1 end
+if KEYS[4] and tonumber(redis.call('GET', KEYS[4]) or '0') > 0 then redis.call('DECR', KEYS[4]) end
 local used = tonumber(redis.call('GET', KEYS[1]) or '0')
 if used > 0 then return redis.call('DECR', KEYS[1]) end
 return 0
@@ -76,23 +99,44 @@ def expiry(resets_at: datetime) -> int:
     return int(resets_at.timestamp()) + EXPIRY_SLACK_S
 
 
-# (account_id, day) -> billable requests, for the days to rebuild, leaving out the request ids given.
+# (account_id or key_id, day) -> billable requests, for the days to rebuild, leaving out the request
+# ids given.
 LedgerCounts = Callable[[list[str], tuple[str, ...]], Awaitable[dict[tuple[int, str], int]]]
 
 
+def held_value(account_id: int, day: str, key_id: int | None) -> str:
+    """What a held-units hash says of a unit: whose counters to give it back to."""
+    return f"{account_id}:{day}" if key_id is None else f"{account_id}:{day}:{key_id}"
+
+
+def parse_held(value: str) -> tuple[int, str, int | None]:
+    """(account_id, day, key_id) of :func:`held_value`; key_id None for a unit that counted no key
+    (held by a gateway that predates per-key counters)."""
+    account_id, day, *key = value.split(":")
+    return int(account_id), day, int(key[0]) if key else None
+
+
 class DailyQuota:
-    def __init__(self, redis: aioredis.Redis, ledger_counts: LedgerCounts) -> None:
+    def __init__(self, redis: aioredis.Redis, ledger_counts: LedgerCounts,
+                 key_ledger_counts: LedgerCounts | None = None) -> None:
+        """``key_ledger_counts``: the per-key billable counts a rebuild restores the keys' counters
+        from; without it a rebuild leaves every key's counter at zero."""
         self._redis = redis
         self._give_back = redis.register_script(_GIVE_BACK)
         self._ledger_counts = ledger_counts
+        self._key_ledger_counts = key_ledger_counts
 
-    async def give_back(self, account_id: int, day: str, request_id: str, holder: str, generation: str) -> bool:
-        """Give back the unit ``holder`` (a held-units hash) holds for the request; False if it was
-        released or given back already. ``generation``: the counters' generation the unit was counted
-        in, or '' to give it back only if it is still held."""
+    async def give_back(self, account_id: int, day: str, request_id: str, holder: str, generation: str,
+                        key_id: int | None = None) -> bool:
+        """Give back the unit ``holder`` (a held-units hash) holds for the request, to its account's
+        counter and, when it counted one, its key's; False if it was released or given back already.
+        ``generation``: the counters' generation the unit was counted in, or '' to give it back only
+        if it is still held."""
+        keys = [counter_key(account_id, day), holder, EPOCH_KEY]
+        if key_id is not None:
+            keys.append(key_counter_key(key_id, day))
         try:
-            left = await self._give_back(keys=[counter_key(account_id, day), holder, EPOCH_KEY],
-                                         args=[request_id, generation])
+            left = await self._give_back(keys=keys, args=[request_id, generation])
         except REDIS_DOWN as exc:
             raise QuotaUnavailable(str(exc)) from exc
         return left != -1
@@ -103,6 +147,16 @@ class DailyQuota:
         except REDIS_DOWN as exc:
             raise QuotaUnavailable(str(exc)) from exc
         return int(value or 0)
+
+    async def used_by_keys(self, key_ids: list[int], day: str) -> dict[int, int]:
+        """Each key's count of ``day``."""
+        if not key_ids:
+            return {}
+        try:
+            values = await self._redis.mget([key_counter_key(key_id, day) for key_id in key_ids])
+        except REDIS_DOWN as exc:
+            raise QuotaUnavailable(str(exc)) from exc
+        return {key_id: int(value or 0) for key_id, value in zip(key_ids, values, strict=True)}
 
     async def rebuild(self, day: str, not_counted: tuple[str, ...] = ()) -> None:
         """Recompute counters for ``day`` and its neighbours from the ledger, then trust them again.
@@ -121,14 +175,18 @@ class DailyQuota:
                     return
                 days = _neighbour_days(day)
                 counts = await self._ledger_counts(days, not_counted)
+                key_counts = await self._key_ledger_counts(days, not_counted) if self._key_ledger_counts else {}
                 stale: list[bytes] = []
                 for count_day in days:
-                    stale += [key async for key in self._redis.scan_iter(match=counter_key("*", count_day))]
+                    for pattern in (counter_key("*", count_day), key_counter_key("*", count_day)):
+                        stale += [key async for key in self._redis.scan_iter(match=pattern)]
                 async with self._redis.pipeline(transaction=True) as pipe:
                     if stale:
                         pipe.delete(*stale)
                     for (account_id, count_day), count in counts.items():
                         pipe.set(counter_key(account_id, count_day), count, ex=3 * 86400)
+                    for (key_id, count_day), count in key_counts.items():
+                        pipe.set(key_counter_key(key_id, count_day), count, ex=3 * 86400)
                     pipe.set(EPOCH_KEY, uuid.uuid4().hex)  # a new generation
                     await pipe.execute()
             finally:

@@ -33,6 +33,10 @@ Request path in Redis terms:
 6. Workers announce themselves every :data:`HEARTBEAT_INTERVAL_S` in ``pool_key(model)`` (a sorted
    set scored by the last heartbeat, in ms) and ``worker_key(worker_id)`` (a hash of
    :class:`WorkerInfo`). A worker is live while its heartbeat is younger than :data:`WORKER_TTL_S`.
+7. A worker publishes its model's tokenizer once at start in ``tokenizer_key(model)`` (a hash:
+   :data:`TOKENIZER_DIGEST`, the SHA-256 of :data:`TOKENIZER_JSON`, its ``tokenizer.json``). Gateways
+   count a long prompt's tokens with it before the request is counted or queued, and reload it only
+   when the digest changes.
 """
 
 from __future__ import annotations
@@ -144,8 +148,24 @@ def quota_counter_key(account_id: int | str, day: str) -> str:
     return f"{PREFIX}:quota:{account_id}:{day}"
 
 
+def key_quota_counter_key(key_id: int | str, day: str) -> str:
+    """One API key's count of requests on its account's quota day (every key is counted; a key with
+    its own daily cap is refused at it); with ``key_id="*"``, the SCAN pattern of that day's. Outside
+    ``ff:quota:`` so the accounts' pattern never matches it."""
+    return f"{PREFIX}:keyquota:{key_id}:{day}"
+
+
 # The gateway process that delivers the meter-event outbox to Stripe holds this lease (its id).
 OUTBOX_LEADER_KEY = f"{PREFIX}:billing:outbox-leader"
+
+
+TOKENIZER_DIGEST = "digest"
+TOKENIZER_JSON = "json"
+
+
+def tokenizer_key(model: str) -> str:
+    """A model's tokenizer, as its worker published it (item 7 above): one per model, whatever its pools."""
+    return f"{PREFIX}:tokenizer:{{{model}}}"
 
 
 def grammars_key(account_id: int) -> str:

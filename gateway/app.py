@@ -60,7 +60,7 @@ def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
         state.pools = Pools(redis, sessions, settings.pools_cache_ttl_s)
         ledger = Ledger(sessions)
         state.plans = PlanBook(sessions, settings.plans_cache_ttl_s)
-        state.quota = DailyQuota(redis, ledger.billable_counts)
+        state.quota = DailyQuota(redis, ledger.billable_counts, ledger.billable_key_counts)
         state.ledger = ledger
         limits = {Lane.PREMIUM: LaneLimits(settings.max_queue_depth_premium, settings.max_queue_wait_s_premium),
                   Lane.STANDARD: LaneLimits(settings.max_queue_depth_standard, settings.max_queue_wait_s_standard)}

@@ -3,8 +3,8 @@ bound, and its Retry-After comes from how fast the lane has been draining. A lan
 becomes a depth bound at its recent drain rate, so both bounds are one atomic check-and-add.
 
 Admission is one round trip: :meth:`LaneQueue.admit` runs one script that checks and counts the
-account's daily quota (flatfare.billing.quota's Lua, unchanged), checks the lane's depth and adds the job.
-A refusal of either kind leaves nothing behind: no unit counted, no job."""
+account's daily quota and the API key's (flatfare.billing.quota's Lua, unchanged), checks the lane's
+depth and adds the job. A refusal of any kind leaves nothing behind: no unit counted, no job."""
 
 from __future__ import annotations
 
@@ -18,30 +18,33 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
-from flatfare.billing.quota import EPOCH_KEY, QUOTA_CHECK, QUOTA_COUNT, REBUILT, DailyQuota, QuotaUnavailable, counter_key
+from flatfare.billing.quota import (EPOCH_KEY, KEY_QUOTA_CHECK, KEY_QUOTA_COUNT, QUOTA_CHECK, QUOTA_COUNT, REBUILT,
+                                    DailyQuota, QuotaUnavailable, counter_key, held_value, key_counter_key)
 from flatfare import contract
 from flatfare.contract import Job, Lane
 from flatfare.gateway.errors import APIError
 from flatfare.redis_conn import REDIS_DOWN
 
 # KEYS: the day's quota counter, the quota epoch marker, the lane (or worker) stream, this gateway
-# process's held units. ARGV: limit (-1: none), counter expiry, lane bound, consumer group, request
-# id, "account:day", the job's fields... Returns {-1, 0}: counters being rebuilt; {0, used}: quota
-# spent; {2, used, queued}: lane full; {1, used, queued, entry id, generation}: counted, held, queued.
+# process's held units, and the key's counter of the day (when the claim names a key). ARGV: limit
+# (-1: none), counter expiry, lane bound, consumer group, request id, the held value
+# ("account:day:key"), the key's cap (-1: none; '': no key counted), the job's fields... Returns
+# {-1, 0}: counters being rebuilt; {0, used}: quota spent; {3, used, key used}: the key's cap reached;
+# {2, used, queued}: lane full; {1, used, queued, entry id, generation, key used}: counted, held, queued.
 # Queued = entries not yet delivered to any worker: the stream's length minus the pending ones
 # (delivered, not yet acknowledged; acknowledged entries are deleted).
-_ADMIT_COUNTED = QUOTA_CHECK + """
+_ADMIT_COUNTED = QUOTA_CHECK + KEY_QUOTA_CHECK + """
 local ok, pending = pcall(redis.call, 'XPENDING', KEYS[3], ARGV[4])
 local queued = redis.call('XLEN', KEYS[3]) - (ok and pending[1] or 0)
 if queued >= tonumber(ARGV[3]) then return {2, used, queued} end
-""" + QUOTA_COUNT + """
+""" + QUOTA_COUNT + KEY_QUOTA_COUNT + """
 redis.call('HSET', KEYS[4], ARGV[5], ARGV[6])
 local fields = {}
-for i = 7, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 8, #ARGV do fields[#fields + 1] = ARGV[i] end
 local id = redis.call('XADD', KEYS[3], '*', unpack(fields))
-return {1, used, queued + 1, id, generation}
+return {1, used, queued + 1, id, generation, key_used}
 """
-QUOTA_SPENT, ADMITTED, LANE_FULL = 0, 1, 2
+QUOTA_SPENT, ADMITTED, LANE_FULL, KEY_QUOTA_SPENT = 0, 1, 2, 3
 
 # Take a job back out of its stream if no worker has been given it yet (atomic against XREADGROUP).
 _WITHDRAW = """
@@ -109,12 +112,15 @@ class Queued:
 
 @dataclass(frozen=True, slots=True)
 class QuotaClaim:
-    """The unit a request asks to count: the account's counter for the day, and its limit."""
+    """The unit a request asks to count: the account's counter for the day and its limit, and the
+    API key's counter with the key's own cap (``key_id`` None: no key counted)."""
 
     account_id: int
     day: str
     limit: int | None
     expire_at: int
+    key_id: int | None = None
+    key_limit: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +141,15 @@ class QuotaSpent(Exception):
         self.used = used
 
 
+class KeyQuotaSpent(QuotaSpent):
+    """The API key's own daily cap is reached (nothing was counted or queued); ``used`` is the
+    account's count, ``key_used`` the key's."""
+
+    def __init__(self, used: int, key_used: int) -> None:
+        super().__init__(used)
+        self.key_used = key_used
+
+
 class LaneQueue:
     def __init__(self, redis: aioredis.Redis, limits: dict[Lane, LaneLimits], quota: DailyQuota | None = None,
                  holder: str = "") -> None:
@@ -151,20 +166,24 @@ class LaneQueue:
     async def admit(self, job: Job, pool: str, claim: QuotaClaim, stream: str | None = None) -> Admitted:
         """Count the request against its quota, hold the unit, and queue its job, in one script.
 
-        Raises :class:`QuotaSpent` (nothing counted), 429 ``queue_full`` (nothing counted),
+        Raises :class:`QuotaSpent` or :class:`KeyQuotaSpent` (nothing counted), 429 ``queue_full`` (nothing counted),
         :class:`~flatfare.billing.quota.QuotaUnavailable` when the script cannot run or the counters cannot be
         rebuilt, and redis-py's own error when Redis cannot be reached before it (for the lane's drain rate)."""
         max_depth, rate = await self._bound(job.lane, pool)
         target = stream or contract.job_stream(pool, job.lane)
         keys = [counter_key(claim.account_id, claim.day), EPOCH_KEY, target, self.holder]
+        key_limit: int | str = ""
+        if claim.key_id is not None:
+            keys.append(key_counter_key(claim.key_id, claim.day))
+            key_limit = -1 if claim.key_limit is None else claim.key_limit
         args = [-1 if claim.limit is None else claim.limit, claim.expire_at, max_depth, contract.POOL_GROUP,
-                job.request_id, f"{claim.account_id}:{claim.day}", *_flat(job)]
+                job.request_id, held_value(claim.account_id, claim.day, claim.key_id), key_limit, *_flat(job)]
         for _ in range(50):
             try:
                 try:
                     # EVALSHA directly: redis-py's Script.__call__ adds an isinstance check against a
                     # Protocol class and copies its arguments, a visible cost on this path.
-                    outcome, used, *rest = await self._redis.evalsha(self._admit_counted.sha, 4, *keys, *args)
+                    outcome, used, *rest = await self._redis.evalsha(self._admit_counted.sha, len(keys), *keys, *args)
                 except NoScriptError:  # a restarted or flushed server: load it through redis-py
                     outcome, used, *rest = await self._admit_counted(keys=keys, args=args)
             except REDIS_DOWN as exc:
@@ -178,6 +197,8 @@ class LaneQueue:
             raise QuotaUnavailable("the quota counters are being rebuilt; retry shortly")
         if outcome == QUOTA_SPENT:
             raise QuotaSpent(int(used))
+        if outcome == KEY_QUOTA_SPENT:
+            raise KeyQuotaSpent(int(used), int(rest[0]))
         depth = int(rest[0])
         if stream is None:
             self.drain.saw(pool, job.lane, depth - 1 if outcome == ADMITTED else depth)
