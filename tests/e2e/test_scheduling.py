@@ -122,7 +122,8 @@ async def test_a_full_lane_answers_429_at_once(tmp_path) -> None:
             for task in held:
                 task.cancel()
             await asyncio.gather(*held, return_exceptions=True)
-        assert refused.status_code == 429 and answered_in < 1.0
+        # At once: not after the 5 s the running job holds the worker (one try, a loaded machine: 2.5 s).
+        assert refused.status_code == 429 and answered_in < 2.5
         assert refused.json()["error"]["code"] == "queue_full"
         assert int(refused.headers["retry-after"]) >= 1
 
