@@ -1,0 +1,236 @@
+"""The worker loop against a real redis-server, with the instant engine (no model) and the contract's
+formats: a queued job is claimed, run, answered on its reply stream and then acknowledged and deleted;
+a job whose client left, or whose deadline passed, is not run; a takeover never runs a job twice; the
+drain stops claiming, finishes what runs, and hands back what it cannot finish."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from flatfare import contract
+from flatfare.contract import Endpoint, Job, Lane, Reply, ReplyKind, Usage, WorkerInfo
+from flatfare.redis_conn import connect
+from flatfare.workers.claims import Claimer
+from flatfare.workers.instant import FILLER, InstantEngine
+from flatfare.workers.loop import WorkerLoop
+from flatfare.workers.presence import now_ms
+
+POOL = "instant"
+GATEWAY_INBOX = contract.gateway_replies("g1")
+CHAT = {"model": POOL, "messages": [{"role": "user", "content": "hi"}]}
+
+
+class Worker:
+    """A running :class:`WorkerLoop` on its own Redis client; stopped (and drained) by the fixture."""
+
+    def __init__(self, loop: WorkerLoop, task: asyncio.Task[None]) -> None:
+        self.loop = loop
+        self.task = task
+
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        self.loop.stop()
+        await asyncio.wait_for(self.task, timeout_s)
+
+
+@pytest.fixture
+async def start_worker(redis_url: str) -> AsyncIterator[Callable[..., Any]]:
+    started: list[Worker] = []
+    clients: list[aioredis.Redis] = []
+
+    async def start(engine: InstantEngine | None = None, *, capacity: int = 8, worker_id: str = "w1",
+                    drain_timeout_s: float = 30.0, lease_s: float = contract.DEFAULT_LEASE_S) -> Worker:
+        engine = engine or InstantEngine(tokens=4)
+        client = connect(redis_url)
+        clients.append(client)
+        info = WorkerInfo(worker_id=worker_id, model=POOL, max_model_len=engine.max_model_len, capacity=capacity,
+                          engine="instant", started_ms=now_ms())
+        loop = WorkerLoop(client, engine, info, drain_timeout_s=drain_timeout_s, lease_s=lease_s)
+        worker = Worker(loop, asyncio.create_task(loop.run()))
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        if not worker.task.done():
+            with contextlib.suppress(Exception):
+                await worker.stop()
+    for client in clients:
+        await client.aclose()
+
+
+def _job(request_id: str, body: dict[str, Any] | None = None, *, endpoint: Endpoint = Endpoint.CHAT,
+         lane: Lane = Lane.STANDARD, reply_to: str = GATEWAY_INBOX, enqueued_ms: int | None = None,
+         deadline_ms: int = 0) -> Job:
+    return Job(request_id=request_id, endpoint=endpoint, body=json.dumps(body or CHAT),
+               enqueued_ms=now_ms() if enqueued_ms is None else enqueued_ms, lane=lane, deadline_ms=deadline_ms,
+               reply_to=reply_to)
+
+
+async def _queue(redis: aioredis.Redis, job: Job) -> bytes:
+    return await redis.xadd(contract.job_stream(POOL, job.lane), job.to_fields())
+
+
+async def _replies(redis: aioredis.Redis, request_id: str, stream: str = GATEWAY_INBOX) -> list[Reply]:
+    entries = await redis.xrange(stream)
+    if stream != GATEWAY_INBOX:
+        return [Reply.from_fields(fields) for _, fields in entries]
+    return [Reply.from_fields(fields) for _, fields in entries if fields[b"i"] == request_id.encode()]
+
+
+async def _eventually(predicate: Callable[[], Any], timeout_s: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def _answered(redis: aioredis.Redis, request_id: str, stream: str = GATEWAY_INBOX) -> list[Reply]:
+    async def terminal() -> list[Reply] | None:
+        replies = await _replies(redis, request_id, stream)
+        return replies if replies and replies[-1].kind.terminal else None
+
+    return await _eventually(terminal)
+
+
+async def _settled(redis: aioredis.Redis, lane: Lane = Lane.STANDARD) -> None:
+    """Every job of the lane acknowledged and deleted: nothing pending, nothing left in the stream."""
+    stream = contract.job_stream(POOL, lane)
+
+    async def empty() -> bool:
+        pending = await redis.xpending(stream, contract.POOL_GROUP)
+        return pending["pending"] == 0 and await redis.xlen(stream) == 0
+
+    await _eventually(empty)
+
+
+async def test_a_job_is_claimed_run_answered_acked_and_deleted(redis, start_worker) -> None:
+    await start_worker()
+    await _queue(redis, _job("r1", {**CHAT, "max_tokens": 3}))
+    [reply] = await _answered(redis, "r1")
+    assert (reply.kind, reply.status, reply.usage) == (ReplyKind.RESPONSE, 200, Usage(8, 3))
+    assert reply.started_ms > 0 and reply.first_token_ms >= reply.started_ms
+    body = json.loads(reply.data)
+    assert (body["id"], body["object"]) == ("chatcmpl-r1", "chat.completion")
+    assert body["choices"][0]["message"]["content"] == FILLER * 3
+    await _settled(redis)
+    assert 0 < await redis.ttl(GATEWAY_INBOX) <= contract.REPLY_TTL_S  # the inbox outlives no reader
+    assert int(await redis.get(contract.drained_key(POOL, Lane.STANDARD))) == 1  # the lane's drain rate
+    assert await redis.exists(contract.begun_key("r1")) == 0
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+async def test_a_stream_is_answered_chunk_by_chunk_then_ended(redis, start_worker, include_usage: bool) -> None:
+    await start_worker(InstantEngine(tokens=5))
+    body = {"model": POOL, "prompt": "hi", "stream": True, "stream_options": {"include_usage": include_usage}}
+    # A request's own reply stream (an idempotent request's): entries carry no request id.
+    await _queue(redis, _job("r2", body, endpoint=Endpoint.COMPLETION, lane=Lane.PREMIUM, reply_to=""))
+    replies = await _answered(redis, "r2", contract.reply_stream("r2"))
+    chunks, end = replies[:-1], replies[-1]
+    assert [r.kind for r in chunks] == [ReplyKind.CHUNK] * (6 if include_usage else 5)
+    assert [json.loads(c.data)["choices"][0]["text"] for c in chunks[:5]] == [FILLER] * 5
+    assert chunks[0].started_ms > 0 and all(c.started_ms == 0 for c in chunks[1:])  # on the first only
+    if include_usage:  # asked for: passed on; otherwise asked of the engine anyway, for the ledger
+        assert json.loads(chunks[-1].data)["usage"]["completion_tokens"] == 5
+    assert (end.kind, end.usage) == (ReplyKind.END, Usage(8, 5))
+    assert end.first_token_ms >= end.started_ms > 0
+    raw = await redis.xrange(contract.reply_stream("r2"))
+    assert all(b"i" not in fields for _, fields in raw)
+    await _settled(redis, Lane.PREMIUM)
+    assert await redis.exists(contract.begun_key("r2")) == 0  # deleted with the ack
+
+
+async def test_a_job_whose_client_left_while_it_was_queued_is_skipped(redis, start_worker) -> None:
+    # Queued a second ago (so the worker checks), and its gateway set the cancel key since.
+    await redis.set(contract.cancel_key("gone"), 1)
+    await _queue(redis, _job("gone", enqueued_ms=now_ms() - 1000))
+    await _queue(redis, _job("after", enqueued_ms=now_ms() - 1000))
+    await start_worker()
+    await _answered(redis, "after")
+    await _settled(redis)
+    assert await _replies(redis, "gone") == []  # acknowledged without an answer: nobody is listening
+
+
+async def test_a_running_job_is_aborted_when_its_client_leaves(redis, start_worker) -> None:
+    engine = InstantEngine(tokens=1000, token_delay_s=0.01)
+    await start_worker(engine)
+    await _queue(redis, _job("slow", {**CHAT, "stream": True}))
+    await _eventually(lambda: _replies(redis, "slow"))  # it has started
+
+    async def aborted() -> bool:  # the gateway publishes until the worker hears it
+        await redis.publish(contract.CANCEL_CHANNEL, "slow")
+        return engine.unfinished_requests() == 0
+
+    await _eventually(aborted)
+    await _settled(redis)
+    replies = await _replies(redis, "slow")
+    assert len(replies) < 1000 and not any(r.kind.terminal for r in replies)
+
+
+async def test_a_job_past_its_deadline_is_refused_without_running(redis, start_worker) -> None:
+    await _queue(redis, _job("late", {**CHAT, "stream": True}, deadline_ms=now_ms() - 1))
+    await start_worker()
+    [reply] = await _answered(redis, "late")  # no chunk: the engine never ran it
+    assert (reply.kind, reply.status) == (ReplyKind.ERROR, 429)
+    assert json.loads(reply.data)["error"]["code"] == "queue_deadline_exceeded"
+    await _settled(redis)
+
+
+async def test_a_job_taken_over_after_its_output_began_fails_instead_of_running_again(redis, start_worker) -> None:
+    """A worker died after the first chunk went out: the job's lease runs out, a live worker takes it
+    over, sees the begun marker and answers 502 rather than a second, different answer."""
+    dead = Claimer(redis, POOL, "w-dead")
+    await dead.setup()
+    for request_id in ("begun", "not-begun"):
+        await _queue(redis, _job(request_id, enqueued_ms=now_ms() - 1000))
+    assert sum(len(c.entries) for c in await dead.claim(2, block_ms=10)) == 2  # then it died
+    await redis.set(contract.begun_key("begun"), 1)
+    await start_worker(lease_s=0.5)
+    [lost] = await _answered(redis, "begun")
+    assert (lost.kind, lost.status, json.loads(lost.data)["error"]["code"]) == (ReplyKind.ERROR, 502, "worker_lost")
+    [rerun] = await _answered(redis, "not-begun")  # nothing went out: it runs again
+    assert (rerun.kind, rerun.status) == (ReplyKind.RESPONSE, 200)
+    await _settled(redis)
+
+
+async def test_the_drain_stops_claiming_and_finishes_running_jobs(redis, start_worker) -> None:
+    engine = InstantEngine(tokens=20, token_delay_s=0.02)
+    worker = await start_worker(engine, capacity=2)
+    for request_id in ("a", "b", "waiting"):
+        await _queue(redis, _job(request_id, {**CHAT, "stream": True}))
+    await _eventually(lambda: _replies(redis, "b"))
+    assert set(worker.loop.inflight) == {"a", "b"}  # the third waits for a free slot
+
+    await worker.stop()
+    for request_id in ("a", "b"):
+        replies = await _replies(redis, request_id)
+        assert [r.kind for r in replies] == [ReplyKind.CHUNK] * 20 + [ReplyKind.END]
+    stream = contract.job_stream(POOL, Lane.STANDARD)
+    # The third was never claimed: still queued, delivered to nobody, for another worker to take.
+    assert await redis.xlen(stream) == 1 and (await redis.xpending(stream, contract.POOL_GROUP))["pending"] == 0
+    assert await _replies(redis, "waiting") == []
+    assert await redis.zscore(contract.pool_key(POOL), "w1") is None  # it left the pool
+
+
+async def test_a_job_that_outlasts_the_drain_is_handed_back(redis, start_worker) -> None:
+    engine = InstantEngine(tokens=10_000, token_delay_s=0.01)
+    worker = await start_worker(engine, drain_timeout_s=0.3)
+    entry_id = await _queue(redis, _job("long", {**CHAT, "stream": True}))
+    await _eventually(lambda: _replies(redis, "long"))
+    await worker.stop()
+    assert not any(r.kind.terminal for r in await _replies(redis, "long"))
+    assert engine.unfinished_requests() == 0  # the engine request was aborted
+    # Still pending, and idle enough for a live worker's takeover pass to take at once.
+    stream = contract.job_stream(POOL, Lane.STANDARD)
+    taken = await Claimer(redis, POOL, "w2").take_over(10, int(contract.DEFAULT_LEASE_S * 1000), set())
+    assert [(c.stream, [e[0] for e in c.entries], c.reclaimed) for c in taken] == [(stream, [entry_id], True)]
