@@ -20,7 +20,7 @@ import typer
 from flatfare.cli.main import app
 from flatfare.redis_local import free_port
 from flatfare.storage.db import migrate
-from tests.conftest import postgres_database
+from tests.conftest import postgres_database, unavailable
 from tests.deploy.files import (
     DEPLOY,
     DOCKERFILES,
@@ -198,7 +198,7 @@ def test_the_gateway_needs_no_writable_path_outside_tmp(local_redis, tmp_path: P
     authenticated request, and serves the metrics its processes write."""
     reason = _read_only_root_unavailable()
     if reason:
-        pytest.skip(reason)
+        unavailable(reason)
     log = tmp_path / "gateway.log"
     _, image = _stages(GATEWAY_DOCKERFILE)
     for database_url in postgres_database():
