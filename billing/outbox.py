@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
@@ -27,6 +28,11 @@ from flatfare.storage.models import Account, OutboxStatus, RequestRecord, UsageO
 log = logging.getLogger("flatfare.billing")
 
 BATCH = 100
+# Renew the sender's lease only if it is still this process's.
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('EXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
 MAX_BACKOFF_S = 3600
 
 
@@ -41,8 +47,10 @@ class OutboxSender:
         self._stripe = stripe
         self._max_backoff_s = max_backoff_s
 
-    async def send_due(self, now: datetime | None = None) -> int:
-        """Send every row that is due; returns how many were sent."""
+    async def send_due(self, now: datetime | None = None,
+                       holding: Callable[[], Awaitable[bool]] | None = None) -> int:
+        """Send every row that is due; returns how many were sent. ``holding``, asked before each
+        row, ends the pass early when it answers False (the sender's lease was lost)."""
         now = now or datetime.now(UTC)
         async with self._sessions() as session:
             rows = (await session.execute(
@@ -52,6 +60,8 @@ class OutboxSender:
                 .order_by(UsageOutbox.next_attempt_at).limit(BATCH))).all()
         sent = 0
         for row, customer_id in rows:
+            if holding is not None and not await holding():
+                break
             sent += await self._send_one(row, customer_id, now)
         return sent
 
@@ -80,11 +90,17 @@ class OutboxSender:
         """Send due rows every ``interval_s``, in one process at a time (a lease in Redis)."""
         me = uuid.uuid4().hex.encode()
         lease_s = max(int(interval_s * 10), 5)
+        # Renewed before each row too: a pass longer than the lease must not let a second process
+        # take it and send the same rows meanwhile.
+        renew = redis.register_script(_RENEW)
+
+        async def holding() -> bool:
+            return bool(await renew(keys=[LEADER_KEY], args=[me, lease_s]))
+
         while not stop.is_set():
             try:
-                if await redis.set(LEADER_KEY, me, nx=True, ex=lease_s) or await redis.get(LEADER_KEY) == me:
-                    await redis.expire(LEADER_KEY, lease_s)
-                    await self.send_due()
+                if await redis.set(LEADER_KEY, me, nx=True, ex=lease_s) or await holding():
+                    await self.send_due(holding=holding)
             except Exception:  # noqa: BLE001 - the loop must outlive a database or Redis hiccup
                 log.exception("outbox pass failed")
             with contextlib.suppress(TimeoutError):

@@ -26,7 +26,6 @@ from aiohttp import web
 
 from bench.stripe_edge import StripeEdge
 from flatfare import contract
-from flatfare.billing.outbox import LEADER_KEY
 from flatfare.billing.plans import quota_window
 from flatfare.billing.quota import counter_key
 from tests.conftest import Stack, launch_stack
@@ -341,8 +340,9 @@ def test_vllm_ids_are_the_gateways_request_id(stack: Stack) -> None:
 class _SlowMeter(StripeEdge):
     """Stripe's edge, each meter event taking a while: two senders at once would overlap here."""
 
-    def __init__(self) -> None:
+    def __init__(self, call_s: float) -> None:
         super().__init__()
+        self.call_s = call_s
         self.in_flight = 0
         self.most_in_flight = 0
 
@@ -350,15 +350,17 @@ class _SlowMeter(StripeEdge):
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
-            await asyncio.sleep(0.15)
+            await asyncio.sleep(self.call_s)
             return await super()._meter_event(request, form)
         finally:
             self.in_flight -= 1
 
 
-def test_one_gateway_process_sends_the_outbox_at_a_time(tmp_path: Path) -> None:
-    edge = _SlowMeter().start()
-    # Every process polls the outbox five times a second; each pass is longer than that.
+# Every process polls the outbox five times a second, so its lease lasts 5 s; 16 meter events take
+# 2.4 s to send at 0.15 s each, and 9.6 s, longer than the lease, at 0.6 s each.
+@pytest.mark.parametrize("call_s", [0.15, 0.6])
+def test_one_gateway_process_sends_the_outbox_at_a_time(tmp_path: Path, call_s: float) -> None:
+    edge = _SlowMeter(call_s).start()
     env = {"FLATFARE_STRIPE_API_KEY": "sk_test_flatfare", "FLATFARE_STRIPE_WEBHOOK_SECRET": "whsec_flatfare_test",
            "FLATFARE_STRIPE_API_BASE": edge.url, "FLATFARE_STRIPE_PRICES": json.dumps({"pro": "price_pro"}),
            "FLATFARE_BILLING_OUTBOX_INTERVAL_S": "0.2"}
@@ -369,14 +371,14 @@ def test_one_gateway_process_sends_the_outbox_at_a_time(tmp_path: Path) -> None:
             with httpx.Client(base_url=stack.base_url, timeout=30,
                               headers={"Authorization": f"Bearer {stack.api_key}"}) as http:
                 ids = []
-                for i in range(12):
+                for i in range(16):
                     response = http.post("/v1/chat/completions", json=_chat("instant", f"n{i}"))
                     assert response.status_code == 200
                     ids.append(response.headers["x-request-id"])
-            _until(lambda: stack.sql("SELECT count(*) FROM usage_outbox WHERE status = 'sent'") == [(12,)],
+            _until(lambda: stack.sql("SELECT count(*) FROM usage_outbox WHERE status = 'sent'") == [(16,)],
                    "the outbox was never sent", timeout_s=60)
             with _redis(stack) as client:
-                leader = client.get(LEADER_KEY)
+                leader = client.get(contract.OUTBOX_LEADER_KEY)
     finally:
         edge.stop()
     assert sorted(edge.deliveries) == sorted(ids) and set(edge.deliveries.values()) == {1}
