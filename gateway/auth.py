@@ -17,12 +17,31 @@ _LAST_USED_RESOLUTION = timedelta(minutes=1)
 
 
 @dataclass(frozen=True, slots=True)
+class KeyLimits:
+    """What the API key itself allows, within its account's plan: None leaves it to the plan."""
+
+    name: str
+    prefix: str
+    allowed_models: tuple[str, ...] | None = None
+    daily_limit: int | None = None
+
+    @property
+    def label(self) -> str:
+        """How error messages name the key: its name and visible prefix (never the secret)."""
+        return f"'{self.name}' ({self.prefix}...)" if self.name else f"{self.prefix}..."
+
+    def allows_model(self, model: str) -> bool:
+        return self.allowed_models is None or model in self.allowed_models
+
+
+@dataclass(frozen=True, slots=True)
 class Caller:
     account_id: int
     account_name: str
     key_id: int
     # A detached copy of the account row: plan, trial end, limits, dedicated pool, Stripe ids.
     account: Account
+    key: KeyLimits = KeyLimits("", "")
 
 
 def _unauthorized(message: str) -> APIError:
@@ -72,7 +91,8 @@ class Authenticator:
                 return _unauthorized("This API key has been revoked.")
             now = datetime.now(UTC)
             if api_key.expires_at is not None and now >= api_key.expires_at:
-                return _unauthorized("This API key was rotated and its grace period has ended; use the new key.")
+                return _unauthorized(f"This API key expired at {api_key.expires_at.isoformat(timespec='seconds')}"
+                                     "; use a current key (a rotated key expires when its grace period ends).")
             if account.status != AccountStatus.ACTIVE:
                 return APIError(403, f"The account '{account.name}' is {account.status.replace('_', ' ')}; "
                                 "contact the platform's administrators.", code="account_inactive")
@@ -81,4 +101,8 @@ class Authenticator:
                 await session.execute(update(ApiKey).where(ApiKey.id == api_key.id).values(last_used_at=now))
                 await session.commit()
             session.expunge(account)
-            return Caller(account_id=account.id, account_name=account.name, key_id=api_key.id, account=account)
+            models = api_key.allowed_models
+            limits = KeyLimits(api_key.name, api_key.prefix, None if models is None else tuple(models),
+                               api_key.daily_limit)
+            return Caller(account_id=account.id, account_name=account.name, key_id=api_key.id, account=account,
+                          key=limits)

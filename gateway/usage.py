@@ -1,4 +1,5 @@
-"""``GET /v1/usage``: a developer's own allowance today and their last 30 days."""
+"""``GET /v1/usage``: a developer's own allowance today (the account's and each key's) and their last
+30 days."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from fastapi import APIRouter, Request
 from flatfare.billing.ledger import daily_usage
 from flatfare.billing.plans import quota_window
 from flatfare.billing.quota import QuotaUnavailable
+from flatfare.storage.accounts import active_keys
 from flatfare.gateway.deps import CurrentCaller
 from flatfare.gateway.errors import ERROR_RESPONSES, APIError
 
@@ -23,8 +25,11 @@ async def usage(request: Request, caller: CurrentCaller) -> dict[str, Any]:
     now = datetime.now(UTC)
     terms = await state.plans.terms(caller.account, now)
     window = quota_window(terms.plan.timezone, now)
+    async with state.sessions() as session:
+        keys = await active_keys(session, caller.account_id)
     try:
         used = await state.quota.used(caller.account_id, window.day)
+        by_key = await state.quota.used_by_keys([key.id for key in keys], window.day)
     except QuotaUnavailable:
         raise APIError(503, "Usage cannot be read right now; retry shortly.", code="quota_unavailable") from None
     today = date.fromisoformat(window.day)
@@ -39,6 +44,11 @@ async def usage(request: Request, caller: CurrentCaller) -> dict[str, Any]:
             "limit": terms.daily_limit,
             "remaining": None if terms.daily_limit is None else max(terms.daily_limit - used, 0),
             "resets_at": window.resets_at.isoformat(),
+            "keys": [{"id": key.id, "name": key.name, "prefix": key.prefix, "requests": by_key[key.id],
+                      "limit": key.daily_limit,
+                      "remaining": None if key.daily_limit is None else max(key.daily_limit - by_key[key.id], 0),
+                      "allowed_models": key.allowed_models,
+                      "expires_at": key.expires_at.isoformat() if key.expires_at else None} for key in keys],
         },
         "price_per_request_micros": terms.plan.price_per_request_micros,
         "daily": await daily_usage(state.sessions, caller.account_id, days),

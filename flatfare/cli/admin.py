@@ -162,8 +162,22 @@ def keys_list(account_id: int) -> None:
 
 
 @keys_app.command("create")
-def keys_create(account_id: int, name: str = "") -> None:
-    _call("POST", f"/accounts/{account_id}/keys", {"name": name})
+def keys_create(account_id: int, name: str = "",
+                expires: Annotated[str | None, typer.Option(help="ISO time the key stops working.")] = None,
+                model: Annotated[list[str] | None, typer.Option(
+                    help="A model the key may use (repeat for more); without any, the plan decides.")] = None,
+                daily_limit: Annotated[int | None, typer.Option(
+                    min=1, help="Requests the key may make a day, within the account's limit.")] = None) -> None:
+    body: dict[str, Any] = {"name": name, "expires_at": expires, "allowed_models": model or None,
+                            "daily_limit": daily_limit}
+    _call("POST", f"/accounts/{account_id}/keys", body)
+
+
+@keys_app.command("update")
+def keys_update(key_id: int, fields: SetOption = None) -> None:
+    """Change a key, e.g. `--set daily_limit=500 --set 'allowed_models=["m1"]'`; `--set daily_limit=null`
+    clears a limit (the account's, the plan's models, no expiry)."""
+    _call("PATCH", f"/keys/{key_id}", _fields(fields))
 
 
 @keys_app.command("revoke")

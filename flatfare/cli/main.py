@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -141,20 +142,86 @@ def migrate(revision: Annotated[str, typer.Argument(help="Target revision.")] = 
     run_migrations(CommonSettings().resolved_database_url, revision)
 
 
+ExpiresOption = Annotated[str | None, typer.Option(
+    "--expires", help="When the key stops working: an ISO time (UTC unless it says otherwise) or a span "
+    "from now such as 30d, 12h, 90m.")]
+ModelOption = Annotated[list[str] | None, typer.Option(
+    "--model", help="A model the key may use (repeat for more); without any, the plan decides.")]
+DailyLimitOption = Annotated[int | None, typer.Option(
+    "--daily-limit", min=1, help="Requests the key may make a day, within the account's limit.")]
+
+
 @keys_app.command("create")
 def keys_create(
     account: Annotated[str, typer.Option(help="Account name; created if it does not exist.")],
     plan: Annotated[str | None, typer.Option(help="Plan for the account (default: free for new accounts).")] = None,
     name: Annotated[str, typer.Option(help="A label for the key.")] = "",
+    expires: ExpiresOption = None,
+    model: ModelOption = None,
+    daily_limit: DailyLimitOption = None,
 ) -> None:
     """Create an API key and print it, alone, on stdout."""
-    from flatfare.storage.accounts import AccountError, create_key
+    from flatfare.storage.accounts import AccountError, KeyLimitsUpdate, create_key
 
+    limits = KeyLimitsUpdate(expires_at=_expiry(expires) if expires else None, allowed_models=_models(model),
+                             daily_limit=daily_limit)
     try:
-        secret = asyncio.run(create_key(CommonSettings().resolved_database_url, account, plan, name))
+        secret = asyncio.run(create_key(CommonSettings().resolved_database_url, account, plan, name, limits))
     except AccountError as exc:
         _fail(str(exc))
     typer.echo(secret)
+
+
+@keys_app.command("update")
+def keys_update(
+    key: Annotated[str, typer.Argument(help="The key's id, its prefix (ff- and 8 characters) or the key.")],
+    name: Annotated[str | None, typer.Option(help="A new label.")] = None,
+    expires: ExpiresOption = None,
+    no_expiry: Annotated[bool, typer.Option("--no-expiry", help="Never expire.")] = False,
+    model: ModelOption = None,
+    all_models: Annotated[bool, typer.Option("--all-models", help="Drop the key's model list.")] = False,
+    daily_limit: DailyLimitOption = None,
+    no_daily_limit: Annotated[bool, typer.Option("--no-daily-limit", help="Only the account's limit.")] = False,
+) -> None:
+    """Change a key's name, expiry, models or daily limit (what is not given stays); prints the key."""
+    from flatfare.storage.accounts import UNSET, AccountError, KeyLimitsUpdate, update_key
+
+    for given, cleared, option in ((expires, no_expiry, "--expires"), (model, all_models, "--model"),
+                                   (daily_limit, no_daily_limit, "--daily-limit")):
+        if given and cleared:
+            _fail(f"{option} and its clearing option contradict each other; give one")
+    limits = KeyLimitsUpdate(
+        name=UNSET if name is None else name,
+        expires_at=None if no_expiry else (_expiry(expires) if expires else UNSET),
+        allowed_models=None if all_models else (_models(model) or UNSET),
+        daily_limit=None if no_daily_limit else (UNSET if daily_limit is None else daily_limit))
+    try:
+        row = asyncio.run(update_key(CommonSettings().resolved_database_url, key, limits))
+    except AccountError as exc:
+        _fail(str(exc))
+    typer.echo(json.dumps({"id": row.id, "account_id": row.account_id, "name": row.name, "prefix": row.prefix,
+                           "expires_at": row.expires_at.isoformat() if row.expires_at else None,
+                           "allowed_models": row.allowed_models, "daily_limit": row.daily_limit}, indent=2))
+
+
+def _expiry(text: str) -> datetime:
+    """``--expires``: an ISO time (UTC unless it names its zone) or a span from now (30d, 12h, 90m)."""
+    spans = {"d": "days", "h": "hours", "m": "minutes"}
+    if text[:-1].isdigit() and text[-1:] in spans:
+        return datetime.now(UTC) + timedelta(**{spans[text[-1]]: int(text[:-1])})
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        _fail(f"--expires takes an ISO time such as 2027-01-31T00:00Z or a span such as 30d, not {text!r}")
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
+def _models(names: list[str] | None) -> list[str] | None:
+    """``--model`` values, once each, in order; None without any."""
+    models = list(dict.fromkeys(name.strip() for name in names or []))
+    if any(not name for name in models):
+        _fail("--model takes a model's name; it cannot be empty")
+    return models or None
 
 
 @billing_app.command("reconcile")

@@ -9,12 +9,15 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from flatfare.storage.db import one_session
-from flatfare.storage.keys import ADMIN_PREFIX, hash_key, new_key, visible_prefix
+from flatfare.storage.keys import ADMIN_PREFIX, hash_key, looks_like_key, new_key, visible_prefix
 from flatfare.storage.models import Account, AdminToken, ApiKey, Plan
 
 
 class AccountError(Exception):
     """An account operation was refused; the message says why."""
+
+
+UNSET: object = object()  # a field of an update that was not given
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,22 +47,78 @@ async def ensure_account(session: AsyncSession, name: str, plan: str | None = No
     return account
 
 
-async def issue_key(session: AsyncSession, account: Account, name: str = "") -> IssuedKey:
-    """Create a key for ``account``; the secret is returned here and stored nowhere."""
+@dataclass(frozen=True, slots=True)
+class KeyLimitsUpdate:
+    """Per-key limits to set; a field left UNSET keeps its value, None clears it (the plan or the
+    account decides again)."""
+
+    name: str | object = UNSET
+    expires_at: datetime | None | object = UNSET
+    allowed_models: list[str] | None | object = UNSET
+    daily_limit: int | None | object = UNSET
+
+    def apply(self, key: ApiKey) -> None:
+        for field in ("name", "expires_at", "allowed_models", "daily_limit"):
+            value = getattr(self, field)
+            if value is not UNSET:
+                setattr(key, field, value)
+
+
+async def issue_key(session: AsyncSession, account: Account, name: str = "",
+                    limits: KeyLimitsUpdate | None = None) -> IssuedKey:
+    """Create a key for ``account`` (with its own ``limits``, if any); the secret is returned here and
+    stored nowhere."""
     secret = new_key()
     key = ApiKey(account_id=account.id, name=name, prefix=visible_prefix(secret), key_hash=hash_key(secret))
+    if limits is not None:
+        limits.apply(key)
     session.add(key)
     await session.flush()
     return IssuedKey(account_id=account.id, key_id=key.id, secret=secret)
 
 
-async def create_key(database_url: str, account: str, plan: str | None = None, name: str = "") -> str:
+async def create_key(database_url: str, account: str, plan: str | None = None, name: str = "",
+                     limits: KeyLimitsUpdate | None = None) -> str:
     """Issue a key to the account called ``account`` (created on ``plan`` if it does not exist, see
     :func:`ensure_account`) in a session of its own, and commit; the secret."""
     async with one_session(database_url) as session:
-        issued = await issue_key(session, await ensure_account(session, account, plan), name)
+        issued = await issue_key(session, await ensure_account(session, account, plan), name, limits)
         await session.commit()
         return issued.secret
+
+
+async def find_key(session: AsyncSession, key: str) -> ApiKey:
+    """The key named by its id, its visible prefix (``ff-`` and 8 characters) or its secret, locked for
+    an update."""
+    query = select(ApiKey).with_for_update()
+    if key.isdigit():
+        query = query.where(ApiKey.id == int(key))
+    elif looks_like_key(key):
+        query = query.where(ApiKey.key_hash == hash_key(key))
+    else:
+        query = query.where(ApiKey.prefix == key)
+    rows = list(await session.scalars(query.limit(2)))
+    if not rows:
+        raise AccountError(f"no API key {key!r}; name it by its id, its prefix (ff- and 8 characters) or the key")
+    if len(rows) > 1:
+        raise AccountError(f"more than one key has the prefix {key!r}; name it by its id")
+    return rows[0]
+
+
+async def update_key(database_url: str, key: str, limits: KeyLimitsUpdate) -> ApiKey:
+    """Change a key's name, expiry or limits (see :func:`find_key` for ``key``) and commit; the row."""
+    async with one_session(database_url) as session:
+        row = await find_key(session, key)
+        limits.apply(row)
+        await session.commit()
+        await session.refresh(row)
+        return row
+
+
+async def active_keys(session: AsyncSession, account_id: int) -> list[ApiKey]:
+    """The account's keys that are not revoked, oldest first."""
+    return list(await session.scalars(select(ApiKey).where(ApiKey.account_id == account_id,
+                                                           ApiKey.revoked_at.is_(None)).order_by(ApiKey.id)))
 
 
 class AccountStore:

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from sqlalchemy import select
 
-from flatfare.storage.accounts import AccountError, ensure_account, issue_key
+from flatfare.storage.accounts import AccountError, KeyLimitsUpdate, ensure_account, issue_key
 from flatfare.storage.models import Account, ApiKey, Plan
 from flatfare.gateway.admin.audit import IdFilter, RowId, not_found, page, record, snapshot
 from flatfare.gateway.admin.auth import AdminReader, AdminWriter
@@ -20,6 +20,7 @@ from flatfare.gateway.admin.schemas import (
     KeyCreated,
     KeyPublic,
     KeyRotate,
+    KeyUpdate,
     Page,
 )
 from flatfare.gateway.errors import APIError
@@ -123,11 +124,28 @@ async def create_key(request: Request, account_id: RowId, body: KeyCreate, admin
         account = await session.get(Account, account_id)
         if account is None:
             raise not_found("account", account_id)
-        issued = await issue_key(session, account, body.name)
+        limits = KeyLimitsUpdate(expires_at=body.expires_at, allowed_models=body.allowed_models,
+                                 daily_limit=body.daily_limit)
+        issued = await issue_key(session, account, body.name, limits)
         key = await session.get(ApiKey, issued.key_id)
         await session.refresh(key)
         record(session, admin, "key.create", "key", key.id, None, snapshot(key))
     return KeyCreated(**KeyPublic.model_validate(key).model_dump(), key=issued.secret)
+
+
+@router.patch("/keys/{key_id}", response_model=KeyPublic)
+async def update_key(request: Request, key_id: RowId, body: KeyUpdate, admin: AdminWriter) -> ApiKey:
+    """Rename a key, set or clear its expiry, its model list and its daily cap; every gateway process
+    applies the change within its auth cache's lifetime (< 1 s)."""
+    async with request.app.state.sessions() as session, session.begin():
+        key = await session.get(ApiKey, key_id, with_for_update=True)
+        if key is None:
+            raise not_found("key", key_id)
+        before = snapshot(key)
+        KeyLimitsUpdate(**body.model_dump(exclude_unset=True)).apply(key)
+        await session.flush()
+        record(session, admin, "key.update", "key", key_id, before, snapshot(key))
+    return key
 
 
 @router.delete("/keys/{key_id}", response_model=KeyPublic)

@@ -201,13 +201,42 @@ class AccountPublic(_Out):
     subscription_status: str | None
 
 
-class KeyCreate(_In):
+# A key's own model list: at most this many names (a key lists what one client uses, not a catalog).
+MAX_KEY_MODELS = 64
+KeyModels = Annotated[list[ModelName], Field(min_length=1, max_length=MAX_KEY_MODELS)]
+# A key's own daily cap; below the account's (a larger one simply never binds).
+KeyDailyLimit = Annotated[int, Field(ge=1, le=2**31 - 1)]
+
+
+class _KeyLimits(_In):
+    """Per-key limits within the account's plan: null leaves each to the plan (models), the account
+    (daily limit), or never (expiry)."""
+
+    expires_at: Timestamp | None = None
+    allowed_models: KeyModels | None = None
+    daily_limit: KeyDailyLimit | None = None
+
+    @field_validator("allowed_models")
+    @classmethod
+    def _distinct(cls, value: list[str] | None) -> list[str] | None:
+        return None if value is None else list(dict.fromkeys(value))
+
+
+class KeyCreate(_KeyLimits):
     name: Annotated[str, Field(max_length=128)] = ""
 
 
 class KeyRotate(_In):
     grace_seconds: Annotated[int, Field(ge=0, le=30 * 86400)] = 86400
     name: Annotated[str, Field(max_length=128)] | None = None
+class KeyUpdate(_KeyLimits):
+    """Leaving a field out keeps it; null clears it."""
+
+    name: Annotated[str, Field(max_length=128)] | None = None
+
+    _not_null = field_validator("name")(_refuse_null)
+
+
 
 
 class KeyPublic(_Out):
@@ -222,6 +251,8 @@ class KeyPublic(_Out):
 
 
 class KeyCreated(KeyPublic):
+    allowed_models: list[str] | None
+    daily_limit: int | None
     key: str = Field(description="The secret. Shown once, never again.")
 
 

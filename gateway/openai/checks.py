@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from flatfare.billing.plans import AccountTerms
 from flatfare.contract import Endpoint
 from flatfare.storage.models import RequestRecord
+from flatfare.gateway.auth import KeyLimits
 from flatfare.gateway.errors import APIError, invalid, validation_error
 from flatfare.gateway.pools import Pool
 from flatfare.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -64,6 +65,14 @@ def check_caps(parsed: ChatCompletionRequest | CompletionRequest, terms: Account
         param = "max_completion_tokens" if getattr(parsed, "max_completion_tokens", None) else "max_tokens"
         raise invalid(f"{param} is {wanted}; the {plan.name} plan allows at most {plan.max_output_tokens} "
                       "output tokens per request.", param=param)
+
+
+def check_key_allows(parsed: ChatCompletionRequest | CompletionRequest, key: KeyLimits) -> None:
+    """The API key's own model list (within the plan's), checked before any quota unit is counted."""
+    if not key.allows_model(parsed.model):
+        raise APIError(403, f"The API key {key.label} may not use the model '{parsed.model}'; it may use: "
+                       f"{', '.join(key.allowed_models or ())}. Use another key, or ask an administrator to "
+                       "add the model to this key.", param="model", code="model_not_allowed_for_key")
 
 
 def _too_many_sequences(parsed: ChatCompletionRequest | CompletionRequest, sequences: int, plan: str,

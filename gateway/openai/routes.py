@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import Response
 
+from flatfare.gateway.auth import Caller
 from flatfare.gateway.deps import CurrentCaller, PoolsDep
 from flatfare.gateway.errors import ERROR_RESPONSES, APIError
 from flatfare.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -37,11 +38,14 @@ async def completions(_: CurrentCaller) -> Response:
     return _served_outside()
 
 
-async def _model_cards(pools: PoolsDep) -> list[dict[str, Any]]:
-    """OpenAI's model objects, plus Flatfare's ``state``: warm, starting or unavailable."""
+async def _model_cards(pools: PoolsDep, caller: Caller) -> list[dict[str, Any]]:
+    """OpenAI's model objects, plus Flatfare's ``state``: warm, starting or unavailable; only those the
+    caller's key may use."""
     catalog = await pools.catalog()
     cards = []
     for name, state in (await pools.model_states()).items():
+        if not caller.key.allows_model(name):
+            continue
         entry = catalog.get(name)
         cards.append({"id": name, "object": "model", "created": entry.created if entry else 0,
                       "owned_by": "flatfare", "state": state.value})
@@ -49,13 +53,13 @@ async def _model_cards(pools: PoolsDep) -> list[dict[str, Any]]:
 
 
 @router.get("/models")
-async def list_models(_: CurrentCaller, pools: PoolsDep) -> dict[str, Any]:
-    return {"object": "list", "data": await _model_cards(pools)}
+async def list_models(caller: CurrentCaller, pools: PoolsDep) -> dict[str, Any]:
+    return {"object": "list", "data": await _model_cards(pools, caller)}
 
 
 @router.get("/models/{model_id:path}")
-async def get_model(model_id: str, _: CurrentCaller, pools: PoolsDep) -> dict[str, Any]:
-    for card in await _model_cards(pools):
+async def get_model(model_id: str, caller: CurrentCaller, pools: PoolsDep) -> dict[str, Any]:
+    for card in await _model_cards(pools, caller):
         if card["id"] == model_id:
             return card
     raise APIError(404, f"The model '{model_id}' does not exist or you do not have access to it.",

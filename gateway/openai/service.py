@@ -34,9 +34,9 @@ from flatfare.billing.held import LOST_CODE, HeldUnits
 from flatfare.gateway.metrics import GatewayMetrics
 from flatfare.gateway.plans import PlanBook
 from flatfare.gateway.pools import Pools
-from flatfare.gateway.openai.checks import (IDEMPOTENCY_WINDOW_S, check_caps, check_fits, deadline_ms_of, expired,
-                                    idempotency_key_of, parse_body)
-from flatfare.gateway.queueing import LaneQueue, QuotaClaim, QuotaSpent, Queued
+from flatfare.gateway.openai.checks import (IDEMPOTENCY_WINDOW_S, check_caps, check_fits, check_key_allows,
+                                    deadline_ms_of, expired, idempotency_key_of, parse_body)
+from flatfare.gateway.queueing import KeyQuotaSpent, LaneQueue, QuotaClaim, QuotaSpent, Queued
 from flatfare.gateway.quota_headers import ratelimit_headers
 from flatfare.gateway.replies import JOB_LOST, Inbox, Replies, ReplyRouter, timed_out
 from flatfare.gateway.openai.screen import RequestScreen
@@ -160,6 +160,8 @@ class Admission:
     # The quota counters' generation its unit was counted in (see flatfare.billing.quota's give-back).
     generation: str = ""
 
+    # The API key whose counter the unit counted too (None: a replay, which counted nothing).
+    key_id: int | None = None
 
 class CompletionService:
     def __init__(self, pools: Pools, router: ReplyRouter, replies: Replies, ledger: Ledger, plans: PlanBook,
@@ -187,6 +189,7 @@ class CompletionService:
         if self._screen is not None:  # image hosts that resolve to private addresses; grammar floods
             await self._screen.check(caller.account_id, parsed)
         entry = (await self._pools.catalog()).get(parsed.model)
+        check_key_allows(parsed, caller.key)
         if entry is not None and not entry.allows_plan(terms.plan.name):
             raise APIError(403, f"The model '{parsed.model}' is not offered on the {terms.plan.name} plan.",
                            param="model", code="model_not_allowed")
@@ -214,7 +217,8 @@ class CompletionService:
             raise _ledger_unavailable()  # its row could not be written: refused before it is counted
         window = quota_window(terms.plan.timezone, now)
         admission = Admission(new_request_id(), int(now.timestamp() * 1000), caller.account_id, window.day,
-                              model=pool.model, lane=terms.plan.lane.value, keep_reply=idempotency_key is not None)
+                              model=pool.model, lane=terms.plan.lane.value, keep_reply=idempotency_key is not None,
+                              key_id=caller.key_id)
         bind(request_id=admission.request_id, account=caller.account_name)
         charge = Charge(plan=terms.plan.name, price_micros=terms.plan.price_per_request_micros, quota_day=window.day)
         row = {"request_id": admission.request_id, "account_id": caller.account_id, "api_key_id": caller.key_id,
@@ -235,19 +239,20 @@ class CompletionService:
         job = Job(request_id=admission.request_id, endpoint=endpoint, body=orjson.dumps(body).decode(),
                   enqueued_ms=admission.created_ms, lane=terms.plan.lane, deadline_ms=deadline_ms, prefix=prefix,
                   reply_to="" if idempotency_key else self._router.stream)
-        claim = QuotaClaim(caller.account_id, window.day, terms.daily_limit, expiry(window.resets_at))
+        claim = QuotaClaim(caller.account_id, window.day, terms.daily_limit, expiry(window.resets_at),
+                           caller.key_id, caller.key.daily_limit)
         try:
             routed = await self._prefixes.target(pool.name, prefix, pool.workers)
             admitted = await self._queue.admit(job, pool.name, claim, routed)
         except BaseException as exc:
             self._router.close(inbox)
             if not isinstance(exc, (QuotaSpent, APIError)):  # the script may have run before Redis went away
-                self._held.give_back_later(caller.account_id, window.day, admission.request_id, "")
+                self._held.give_back_later(caller.account_id, window.day, admission.request_id, "", caller.key_id)
             if idempotency_key:  # its row is open: close it, free
                 code, status = ((exc.code, exc.status) if isinstance(exc, APIError) else ("not_queued", 503))
                 await self._ledger.close(admission.request_id, Outcome(RequestStatus.FAILED, status, error_code=code,
                                                                        billable=False))
-            raise self._refusal(exc, terms, window, now) from None
+            raise self._refusal(exc, terms, window, now, caller) from None
         admission = replace(admission, generation=admitted.generation)
         self._router.admitted(inbox, admitted.queued.stream, admitted.queued.entry_id, admitted.generation)
         call.ratelimit = ratelimit_headers(terms.daily_limit, admitted.used, window, now)
@@ -256,13 +261,21 @@ class CompletionService:
         return await self._relay(admission, inbox, call, opening=opening,
                                  queued=admitted.queued if deadline_ms else None, deadline_ms=deadline_ms)
 
-    def _refusal(self, exc: BaseException, terms: AccountTerms, window: QuotaWindow, now: datetime) -> BaseException:
+    def _refusal(self, exc: BaseException, terms: AccountTerms, window: QuotaWindow, now: datetime,
+                 caller: Caller) -> BaseException:
         """The client's error for a request the admission script refused (nothing was counted)."""
         if isinstance(exc, QuotaSpent):
             self._metrics.quota_rejected(terms.plan.name)
             seconds = window.seconds_left(now)
             return APIError(
                 429, f"You have used all {terms.daily_limit} requests of your {terms.plan.name} plan for today "
+        if isinstance(exc, KeyQuotaSpent):
+            seconds = window.seconds_left(now)
+            return APIError(
+                429, f"The API key {caller.key.label} has used all {caller.key.daily_limit} requests it may make "
+                f"today ({window.day}); its allowance resets in {seconds} s. Other keys of the account are not "
+                "affected.", code="key_rate_limit_exceeded",
+                headers={"Retry-After": str(seconds), **ratelimit_headers(terms.daily_limit, exc.used, window, now)})
                 f"({window.day}); the allowance resets in {seconds} s.", code="rate_limit_exceeded",
                 headers={"Retry-After": str(seconds), **ratelimit_headers(terms.daily_limit, exc.used, window, now)})
         if isinstance(exc, QuotaUnavailable):
@@ -276,11 +289,11 @@ class CompletionService:
     async def _give_back(self, admission: Admission) -> None:
         try:
             await self._quota.give_back(admission.account_id, admission.quota_day, admission.request_id,
-                                        self._held.key, admission.generation)
+                                        self._held.key, admission.generation, admission.key_id)
         except QuotaUnavailable:
             log.warning("giving back the unit of %s waits for Redis", admission.request_id)
             self._held.give_back_later(admission.account_id, admission.quota_day, admission.request_id,
-                                       admission.generation)
+                                       admission.generation, admission.key_id)
 
     async def _settle(self, admission: Admission, outcome: Outcome) -> None:
         """Close the ledger row, then settle the unit: a charged request releases it, a free one gives
