@@ -226,9 +226,6 @@ class KeyCreate(_KeyLimits):
     name: Annotated[str, Field(max_length=128)] = ""
 
 
-class KeyRotate(_In):
-    grace_seconds: Annotated[int, Field(ge=0, le=30 * 86400)] = 86400
-    name: Annotated[str, Field(max_length=128)] | None = None
 class KeyUpdate(_KeyLimits):
     """Leaving a field out keeps it; null clears it."""
 
@@ -237,6 +234,9 @@ class KeyUpdate(_KeyLimits):
     _not_null = field_validator("name")(_refuse_null)
 
 
+class KeyRotate(_In):
+    grace_seconds: Annotated[int, Field(ge=0, le=30 * 86400)] = 86400
+    name: Annotated[str, Field(max_length=128)] | None = None
 
 
 class KeyPublic(_Out):
@@ -248,11 +248,11 @@ class KeyPublic(_Out):
     last_used_at: Timestamp | None
     revoked_at: Timestamp | None
     expires_at: Timestamp | None
+    allowed_models: list[str] | None
+    daily_limit: int | None
 
 
 class KeyCreated(KeyPublic):
-    allowed_models: list[str] | None
-    daily_limit: int | None
     key: str = Field(description="The secret. Shown once, never again.")
 
 

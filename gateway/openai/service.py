@@ -159,9 +159,9 @@ class Admission:
     keep_reply: bool = False
     # The quota counters' generation its unit was counted in (see flatfare.billing.quota's give-back).
     generation: str = ""
-
     # The API key whose counter the unit counted too (None: a replay, which counted nothing).
     key_id: int | None = None
+
 
 class CompletionService:
     def __init__(self, pools: Pools, router: ReplyRouter, replies: Replies, ledger: Ledger, plans: PlanBook,
@@ -186,10 +186,10 @@ class CompletionService:
         terms = await self._plans.terms(caller.account, now)
         call.label(plan=terms.plan.name, lane=terms.plan.lane.value)
         check_caps(parsed, terms, len(raw))
+        check_key_allows(parsed, caller.key)
         if self._screen is not None:  # image hosts that resolve to private addresses; grammar floods
             await self._screen.check(caller.account_id, parsed)
         entry = (await self._pools.catalog()).get(parsed.model)
-        check_key_allows(parsed, caller.key)
         if entry is not None and not entry.allows_plan(terms.plan.name):
             raise APIError(403, f"The model '{parsed.model}' is not offered on the {terms.plan.name} plan.",
                            param="model", code="model_not_allowed")
@@ -264,11 +264,6 @@ class CompletionService:
     def _refusal(self, exc: BaseException, terms: AccountTerms, window: QuotaWindow, now: datetime,
                  caller: Caller) -> BaseException:
         """The client's error for a request the admission script refused (nothing was counted)."""
-        if isinstance(exc, QuotaSpent):
-            self._metrics.quota_rejected(terms.plan.name)
-            seconds = window.seconds_left(now)
-            return APIError(
-                429, f"You have used all {terms.daily_limit} requests of your {terms.plan.name} plan for today "
         if isinstance(exc, KeyQuotaSpent):
             seconds = window.seconds_left(now)
             return APIError(
@@ -276,6 +271,11 @@ class CompletionService:
                 f"today ({window.day}); its allowance resets in {seconds} s. Other keys of the account are not "
                 "affected.", code="key_rate_limit_exceeded",
                 headers={"Retry-After": str(seconds), **ratelimit_headers(terms.daily_limit, exc.used, window, now)})
+        if isinstance(exc, QuotaSpent):
+            self._metrics.quota_rejected(terms.plan.name)
+            seconds = window.seconds_left(now)
+            return APIError(
+                429, f"You have used all {terms.daily_limit} requests of your {terms.plan.name} plan for today "
                 f"({window.day}); the allowance resets in {seconds} s.", code="rate_limit_exceeded",
                 headers={"Retry-After": str(seconds), **ratelimit_headers(terms.daily_limit, exc.used, window, now)})
         if isinstance(exc, QuotaUnavailable):
