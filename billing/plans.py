@@ -25,6 +25,8 @@ class PlanRules:
     max_n: int
     max_body_bytes: int
     timezone: str
+    # Input tokens one request may send (all its prompts together); None: the model's context bounds it.
+    max_prompt_tokens: int | None = None
 
     @classmethod
     def from_row(cls, plan: Plan) -> PlanRules:
@@ -32,7 +34,7 @@ class PlanRules:
             name=plan.name, daily_limit=plan.daily_limit, price_per_request_micros=plan.price_per_request_micros,
             lane=Lane(plan.lane), allowed_models=frozenset(plan.allowed_models) if plan.allowed_models is not None
             else None, max_output_tokens=plan.max_output_tokens, max_n=plan.max_n,
-            max_body_bytes=plan.max_body_bytes, timezone=plan.timezone,
+            max_body_bytes=plan.max_body_bytes, timezone=plan.timezone, max_prompt_tokens=plan.max_prompt_tokens,
         )
 
     def allows_model(self, model: str) -> bool:

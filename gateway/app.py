@@ -37,6 +37,7 @@ from flatfare.gateway.quota_headers import RateLimitHeaders
 from flatfare.gateway.replies import Replies, ReplyRouter
 from flatfare.gateway.openai.screen import RequestScreen
 from flatfare.gateway.settings import GatewaySettings
+from flatfare.gateway.tokenizer_cache import Tokenizers
 
 
 def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
@@ -71,7 +72,7 @@ def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
         state.completions = CompletionService(
             state.pools, router, Replies(redis), ledger, state.plans, state.quota,
             LaneQueue(redis, limits, state.quota, held.key), PrefixRouter(redis, settings.prefix_routing), held,
-            metrics, RequestScreen(redis))
+            metrics, RequestScreen(redis), Tokenizers(redis, settings.pools_cache_ttl_s))
         state.accounts = AccountStore(sessions)
         state.stripe = None
         state.webhooks = WebhookProcessor(sessions, {price: plan for plan, price in settings.stripe_prices.items()})

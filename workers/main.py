@@ -25,6 +25,7 @@ from flatfare.workers.presence import Presence, now_ms
 from flatfare.workers.metrics import WorkerMetrics
 from flatfare.workers.prepare import resolve_source
 from flatfare.workers.settings import WorkerSettings
+from flatfare.workers.tokenizer import publish_tokenizer, tokenizer_json
 
 log = logging.getLogger("flatfare.worker")
 
@@ -64,15 +65,15 @@ async def load_spec(settings: WorkerSettings) -> ModelSpec:
     return ModelSpec(name=settings.model, source=source, options=options)
 
 
-async def build_engine(settings: WorkerSettings, progress: Callable[[str], None]) -> tuple[str, EngineLike]:
-    """The model's name and its started engine."""
+async def build_engine(settings: WorkerSettings, progress: Callable[[str], None]) -> tuple[str, EngineLike, str]:
+    """The model's name, its started engine, and the folder or hub id it loaded ("" for the instant engine)."""
     if settings.engine == "instant":
         progress(f"BENCHMARK ENGINE: '{settings.model}' answers with {settings.instant_tokens} filler tokens")
         engine = InstantEngine(settings.instant_tokens, settings.max_inflight or 1024,
                                settings.instant_first_token_delay_s, settings.instant_token_delay_s,
                                settings.instant_start_delay_s)
         await engine.start()
-        return settings.model, engine
+        return settings.model, engine, ""
     spec = await load_spec(settings)
     try:
         check_gpus(spec.options)
@@ -84,7 +85,7 @@ async def build_engine(settings: WorkerSettings, progress: Callable[[str], None]
     engine = Engine(engine_argv(model_path, spec.name, spec.options), engine_metrics=settings.engine_metrics,
                     logging_config=dict_config(settings.log_level, settings.log_format))
     await engine.start()
-    return spec.name, engine
+    return spec.name, engine, model_path
 
 
 async def serve(settings: WorkerSettings, progress: Callable[[str], None] = log.info) -> None:
@@ -96,11 +97,15 @@ async def serve(settings: WorkerSettings, progress: Callable[[str], None] = log.
     presence = Presence(redis, info)
     presence.start()
     try:
-        model, engine = await build_engine(settings, progress)
+        model, engine, model_path = await build_engine(settings, progress)
     except BaseException:
         await presence.stop()
         await redis.aclose()
         raise
+    if model_path:  # before it is warm: a gateway counting a long prompt for it finds the tokenizer there
+        text = await asyncio.to_thread(tokenizer_json, model_path)
+        if text is not None and await publish_tokenizer(redis, model, text):
+            progress(f"published the tokenizer of {model}")
     capacity = settings.max_inflight or engine.max_num_seqs
     info.max_model_len, info.capacity = engine.max_model_len, capacity
     metrics = WorkerMetrics(model)

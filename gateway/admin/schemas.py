@@ -60,6 +60,8 @@ class _PlanFields(_In):
     max_output_tokens: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None
     max_n: Annotated[int, Field(ge=1, le=128)] | None = None
     max_body_bytes: Annotated[int, Field(ge=1024, le=64 * 1024 * 1024)] | None = None
+    # Input tokens per request; null: only the model's context bounds it.
+    max_prompt_tokens: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
     timezone: str | None = None
     trial_days: Annotated[int, Field(ge=1, le=365)] | None = None
     retired: bool | None = None
@@ -98,6 +100,7 @@ class PlanPublic(_Out):
     max_output_tokens: int | None
     max_n: int
     max_body_bytes: int
+    max_prompt_tokens: int | None
     timezone: str
     trial_days: int | None
     retired: bool

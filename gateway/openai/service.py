@@ -40,6 +40,7 @@ from flatfare.gateway.queueing import KeyQuotaSpent, LaneQueue, QuotaClaim, Quot
 from flatfare.gateway.quota_headers import ratelimit_headers
 from flatfare.gateway.replies import JOB_LOST, Inbox, Replies, ReplyRouter, timed_out
 from flatfare.gateway.openai.screen import RequestScreen
+from flatfare.gateway.openai.prompt_length import TokenCounter, check_prompt_length
 
 log = logging.getLogger("flatfare.gateway")
 
@@ -166,7 +167,8 @@ class Admission:
 class CompletionService:
     def __init__(self, pools: Pools, router: ReplyRouter, replies: Replies, ledger: Ledger, plans: PlanBook,
                  quota: DailyQuota, queue: LaneQueue, prefixes: PrefixRouter, held: HeldUnits,
-                 metrics: GatewayMetrics | None = None, screen: RequestScreen | None = None) -> None:
+                 metrics: GatewayMetrics | None = None, screen: RequestScreen | None = None,
+                 tokenizers: TokenCounter | None = None) -> None:
         self._pools = pools
         self._router = router
         self._replies = replies
@@ -179,6 +181,7 @@ class CompletionService:
         self._background: set[asyncio.Future[None]] = set()
         self._metrics = metrics or GatewayMetrics()
         self._screen = screen
+        self._tokenizers = tokenizers
 
     async def handle(self, endpoint: Endpoint, raw: bytes, caller: Caller, call: Call) -> Answer:
         body, parsed = parse_body(endpoint, raw)
@@ -195,6 +198,8 @@ class CompletionService:
                            param="model", code="model_not_allowed")
         pool = await self._pools.route(parsed.model, terms.pool)
         check_fits(parsed, pool)
+        # The plan's input cap, before anything is counted: only a long prompt waits for a tokenizer.
+        await check_prompt_length(parsed, terms.plan, self._tokenizers)
         deadline_ms = deadline_ms_of(call.headers, now)
         call.label(model=pool.model)
         for name in _RESERVED_FIELDS:
