@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -89,7 +90,10 @@ class OutboxSender:
     async def run(self, redis: aioredis.Redis, stop: asyncio.Event, interval_s: float = 1.0) -> None:
         """Send due rows every ``interval_s``, in one process at a time (a lease in Redis)."""
         me = uuid.uuid4().hex.encode()
-        lease_s = max(int(interval_s * 10), 5)
+        # The lease outlives the slowest meter-event call twice over: renewed before each call, it
+        # cannot lapse while one is in flight (20 s Stripe timeout: a 40 s lease, so a dead sender's
+        # successor waits that long; billing is not in a hurry, a second sender would be wrong).
+        lease_s = max(int(interval_s * 10), 5, math.ceil(2 * self._stripe.config.timeout_s))
         # Renewed before each row too: a pass longer than the lease must not let a second process
         # take it and send the same rows meanwhile.
         renew = redis.register_script(_RENEW)

@@ -185,7 +185,9 @@ async def test_only_the_lease_holder_sends(sessions, ledger, edge, redis) -> Non
     await _billed(ledger, sessions, ["r1", "r2"])
     await redis.set(LEADER_KEY, b"another-gateway", ex=60)  # another process holds the lease
     stop = asyncio.Event()
-    runner = asyncio.create_task(OutboxSender(sessions, _gateway(edge)).run(redis, stop, interval_s=0.05))
+    # A 2 s Stripe timeout: the lease is the 5 s floor (it covers two of the slowest calls).
+    runner = asyncio.create_task(OutboxSender(sessions, _gateway(edge, timeout_s=2.0)).run(redis, stop,
+                                                                                           interval_s=0.05))
     try:
         await asyncio.sleep(1.0)  # about twenty passes, none of them the holder's
         assert edge.deliveries == {} and {r.status for r in (await _rows(sessions)).values()} == {"pending"}
@@ -212,3 +214,21 @@ async def test_only_the_lease_holder_sends(sessions, ledger, edge, redis) -> Non
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(runner, 10)
     assert sorted(e["identifier"] for e in edge.meter_events) == ["r1", "r2"]
+
+
+async def test_the_lease_outlives_the_slowest_stripe_call(sessions, edge, redis) -> None:
+    """A lease shorter than one Stripe call would lapse while the holder waits on it, and let a second
+    process send the same rows: the lease covers two of the slowest calls."""
+    stop = asyncio.Event()
+    runner = asyncio.create_task(OutboxSender(sessions, _gateway(edge, timeout_s=20.0)).run(redis, stop,
+                                                                                            interval_s=0.05))
+    try:
+        async def leased() -> bool:
+            return await redis.get(LEADER_KEY) is not None
+
+        await _wait_for(leased)
+        assert await redis.ttl(LEADER_KEY) > 20
+    finally:
+        stop.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(runner, 10)
