@@ -154,7 +154,7 @@ def test_scaled_services_use_images_built_from_the_wheel(spec) -> None:
 def test_the_gateway_service_keeps_the_images_unprivileged_user_and_writes_under_tmp(spec) -> None:
     """docs/OPERATIONS.md: the gateway image runs unprivileged and writes only in /tmp
     (tests/deploy/test_images.py). Compose must not undo either: no root user, no data, metrics or
-    temporary folder moved out of /tmp; and a read-only root, where one is set, keeps /tmp writable."""
+    temporary folder moved out of /tmp; and its root is read-only with /tmp writable, as in Kubernetes."""
     gateway = spec["services"]["gateway"]
     assert str(gateway.get("user", "flatfare")).split(":")[0] not in ("root", "0")
     environment = gateway.get("environment", {})
@@ -163,6 +163,7 @@ def test_the_gateway_service_keeps_the_images_unprivileged_user_and_writes_under
     for name in ("FLATFARE_DATA_DIR", "FLATFARE_METRICS_DIR", "TMPDIR"):
         value = environment.get(name)
         assert value is None or str(value).startswith("/tmp/"), f"the gateway writes {name}={value}"
+    assert gateway.get("read_only") is True
     if gateway.get("read_only"):
         tmpfs = gateway.get("tmpfs", [])
         assert "/tmp" in ([tmpfs] if isinstance(tmpfs, str) else tmpfs) or any(
