@@ -9,9 +9,15 @@ import subprocess
 import sys
 import time
 
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
+
 import httpx
 import pytest
+import redis as redis_sync
 
+from flatfare.billing.plans import quota_window
+from flatfare.contract import key_quota_counter_key, quota_counter_key
 from flatfare.redis_local import free_port
 from tests.conftest import eventually, launch_stack, postgres_database
 
@@ -117,6 +123,29 @@ def test_plans_crud_takes_effect_on_the_next_request(astack, admin) -> None:
     assert admin.get("/plans/tmp").status_code == 404
 
 
+def test_an_edited_prompt_cap_takes_effect(astack, admin) -> None:
+    assert admin.get("/plans/free").json()["max_prompt_tokens"] == 4096  # seeded
+    assert admin.post("/plans", json={"name": "terse", "display_name": "Terse"}).json()["max_prompt_tokens"] is None
+    account = admin.post("/accounts", json={"name": "terse-co", "plan": "terse"}).json()
+    key = admin.post(f"/accounts/{account['id']}/keys", json={"name": "main"}).json()["key"]
+    # 1000 bytes: the instant engine publishes no tokenizer, so a quarter of them, ~250 tokens, is the count.
+    long = [{"role": "user", "content": "word " * 200}]
+
+    def send(base: str) -> httpx.Response:
+        return httpx.post(f"{base}/v1/chat/completions", json={"model": MODEL, "messages": long},
+                          headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+    assert send(astack.base_url).status_code == 200
+    assert admin.patch("/plans/terse", json={"max_prompt_tokens": 100}).json()["max_prompt_tokens"] == 100
+    for base in (astack.base_url, astack.second_url):  # once the plans cache of every gateway process expired
+        refused = eventually(lambda base=base: send(base), lambda r: r.status_code == 400,
+                             f"the new prompt cap at {base}")
+        assert refused.json()["error"]["code"] == "prompt_too_long"
+        assert "the terse plan allows at most 100 input tokens" in refused.json()["error"]["message"]
+    assert admin.patch("/plans/terse", json={"max_prompt_tokens": None}).json()["max_prompt_tokens"] is None
+    eventually(lambda: send(astack.base_url), lambda r: r.status_code == 200, "the cap lifted")
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
@@ -124,6 +153,8 @@ def test_plans_crud_takes_effect_on_the_next_request(astack, admin) -> None:
         ("/plans/pro", {"timezone": "Mars/Olympus"}, "timezone"),
         ("/plans/pro", {"name": "renamed"}, "name"),
         ("/plans/pro", {"lane": "fast"}, "lane"),
+        ("/plans/pro", {"max_prompt_tokens": 0}, "max_prompt_tokens"),
+        ("/plans/pro", {"max_prompt_tokens": 10_000_001}, "max_prompt_tokens"),
         ("/models/smollm2-135m-instruct", {"engine_options": {"quantization": "magic"}},
          "engine_options.quantization"),
         ("/models/smollm2-135m-instruct", {"engine_options": {"tensor_parallel_size": 0}},
@@ -280,3 +311,154 @@ def test_cli_calls_the_api(astack) -> None:
     listed = json.loads(astack.cli("admin", "accounts", "list", "--status", "suspended").stdout)
     assert "from-cli" in [a["name"] for a in listed["data"]]
     assert astack.cli("admin", "usage", "--csv").stdout.startswith("day,account_id")
+
+
+# -- per-key limits (issue 19 item 3) ------------------------------------------------------------
+
+def _counters(astack, account_id: int, key_id: int) -> tuple[int, int]:
+    """Today's (account, key) quota counters in Redis."""
+    day = quota_window("UTC", datetime.now(UTC)).day
+    client = redis_sync.Redis.from_url(astack.redis_url)
+    try:
+        return (int(client.get(quota_counter_key(account_id, day)) or 0),
+                int(client.get(key_quota_counter_key(key_id, day)) or 0))
+    finally:
+        client.close()
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_key_limits_are_set_at_creation_changed_validated_and_audited(admin) -> None:
+    account = admin.post("/accounts", json={"name": "limited", "plan": "pro"}).json()
+    created = admin.post(f"/accounts/{account['id']}/keys", json={
+        "name": "ci", "allowed_models": [MODEL, MODEL], "daily_limit": 5, "expires_at": "2099-01-01T00:00:00"})
+    assert created.status_code == 201, created.text
+    key = created.json()
+    assert (key["allowed_models"], key["daily_limit"], key["expires_at"]) == ([MODEL], 5, "2099-01-01T00:00:00Z")
+    updated = admin.patch(f"/keys/{key['id']}", json={"daily_limit": 7, "allowed_models": None})
+    assert updated.status_code == 200, updated.text
+    assert (updated.json()["daily_limit"], updated.json()["allowed_models"]) == (7, None)
+    assert updated.json()["name"] == "ci" and updated.json()["expires_at"] == "2099-01-01T00:00:00Z"  # left out: kept
+    listed = admin.get(f"/accounts/{account['id']}/keys").json()["data"]
+    assert (listed[0]["daily_limit"], listed[0]["allowed_models"]) == (7, None)
+    entries = admin.get("/audit", params={"resource_type": "key", "resource_id": str(key["id"])}).json()["data"]
+    assert [e["action"] for e in entries] == ["key.update", "key.create"]
+    assert (entries[0]["before"]["daily_limit"], entries[0]["after"]["daily_limit"]) == (5, 7)
+    assert (entries[0]["before"]["allowed_models"], entries[0]["after"]["allowed_models"]) == ([MODEL], None)
+    for body, param in (({"daily_limit": 0}, "daily_limit"), ({"allowed_models": []}, "allowed_models"),
+                        ({"allowed_models": [""]}, "allowed_models[0]"),
+                        ({"allowed_models": [f"m{i}" for i in range(65)]}, "allowed_models"),
+                        ({"name": None}, "name"), ({"key_hash": "0" * 64}, "key_hash"),
+                        ({"account_id": 1}, "account_id")):
+        refused = admin.patch(f"/keys/{key['id']}", json=body)
+        assert refused.status_code == 422 and refused.json()["error"]["param"] == param, (body, refused.text)
+    assert admin.post(f"/accounts/{account['id']}/keys", json={"daily_limit": -1}).status_code == 422
+    assert admin.patch("/keys/999999", json={"daily_limit": 1}).status_code == 404
+    assert admin.get(f"/accounts/{account['id']}/keys").json()["data"][0]["daily_limit"] == 7
+
+
+def test_a_model_outside_the_keys_list_is_refused_free_and_not_listed(astack, admin) -> None:
+    account = admin.post("/accounts", json={"name": "narrow", "plan": "pro"}).json()
+    key = admin.post(f"/accounts/{account['id']}/keys",
+                     json={"name": "only-other", "allowed_models": ["smollm2-135m-instruct"]}).json()
+    refused = _chat(astack.base_url, key["key"])
+    assert refused.status_code == 403, refused.text
+    error = refused.json()["error"]
+    assert (error["code"], error["param"]) == ("model_not_allowed_for_key", "model")
+    assert "'only-other'" in error["message"] and key["prefix"] in error["message"] and MODEL in error["message"]
+    assert _counters(astack, account["id"], key["id"]) == (0, 0)  # refused before anything was counted
+    assert astack.sql("SELECT count(*) FROM requests WHERE api_key_id = :k", k=key["id"])[0][0] == 0
+    listed = httpx.get(f"{astack.base_url}/v1/models", headers=_auth(key["key"])).json()["data"]
+    assert MODEL not in [m["id"] for m in listed]
+    assert httpx.get(f"{astack.base_url}/v1/models/{MODEL}", headers=_auth(key["key"])).status_code == 404
+    # The account's other keys still see and use it; this one does once the model is on its list.
+    assert MODEL in [m["id"] for m in httpx.get(f"{astack.base_url}/v1/models",
+                                                 headers=_auth(astack.api_key)).json()["data"]]
+    admin.patch(f"/keys/{key['id']}", json={"allowed_models": ["smollm2-135m-instruct", MODEL]})
+    for base in (astack.base_url, astack.second_url):
+        eventually(lambda base=base: _chat(base, key["key"]), lambda r: r.status_code == 200,
+                   f"the widened key served at {base}")
+
+
+def test_an_expired_key_is_refused_401(astack, admin) -> None:
+    account = admin.post("/accounts", json={"name": "expiring", "plan": "pro"}).json()
+    past = admin.post(f"/accounts/{account['id']}/keys", json={"expires_at": "2020-01-01T00:00:00Z"}).json()
+    refused = _chat(astack.base_url, past["key"])
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert "expired" in refused.json()["error"]["message"]
+    live = admin.post(f"/accounts/{account['id']}/keys", json={"expires_at": "2099-01-01T00:00:00Z"}).json()
+    assert _chat(astack.base_url, live["key"]).status_code == 200
+    admin.patch(f"/keys/{live['id']}", json={"expires_at": "2020-01-01T00:00:00Z"})
+    for base in (astack.base_url, astack.second_url):
+        eventually(lambda base=base: _chat(base, live["key"]), lambda r: r.status_code == 401,
+                   f"the expired key refused at {base}")
+    counted = _counters(astack, account["id"], live["id"])
+    assert counted[0] == counted[1] >= 1  # the requests served before every process saw the expiry
+    for base in (astack.base_url, astack.second_url):
+        assert _chat(base, live["key"]).status_code == 401
+    assert _counters(astack, account["id"], live["id"]) == counted  # a refused key counts nothing
+
+
+def test_a_keys_daily_cap_is_exact_across_two_gateway_processes(astack, admin) -> None:
+    account = admin.post("/accounts", json={"name": "capped", "plan": "pro"}).json()
+    capped = admin.post(f"/accounts/{account['id']}/keys", json={"name": "batch", "daily_limit": 4}).json()
+    other = admin.post(f"/accounts/{account['id']}/keys", json={"name": "web"}).json()
+    bases = [astack.base_url, astack.second_url]
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(lambda n: _chat(bases[n % 2], capped["key"]), range(12)))
+    assert sorted(r.status_code for r in answers) == [200] * 4 + [429] * 8
+    for refused in (r for r in answers if r.status_code == 429):
+        error = refused.json()["error"]
+        assert error["code"] == "key_rate_limit_exceeded" and "'batch'" in error["message"]
+        assert 0 < int(refused.headers["retry-after"]) <= 86400
+    assert _counters(astack, account["id"], capped["id"]) == (4, 4)  # refusals counted nothing
+    assert _chat(astack.base_url, other["key"]).status_code == 200  # the account's other key is not capped
+    usage = httpx.get(f"{astack.base_url}/v1/usage", headers=_auth(other["key"])).json()["today"]
+    assert usage["requests"] == 5
+    by_key = {k["id"]: k for k in usage["keys"]}
+    assert (by_key[capped["id"]]["requests"], by_key[capped["id"]]["limit"], by_key[capped["id"]]["remaining"]) \
+        == (4, 4, 0)
+    assert (by_key[other["id"]]["requests"], by_key[other["id"]]["limit"]) == (1, None)
+    # Raised, the cap lets the key through again on every gateway process.
+    admin.patch(f"/keys/{capped['id']}", json={"daily_limit": 6})  # one more for each process
+    for base in bases:
+        eventually(lambda base=base: _chat(base, capped["key"]), lambda r: r.status_code != 429,
+                   f"the raised cap at {base}")
+    assert _counters(astack, account["id"], capped["id"]) == (7, 6)
+
+
+def test_both_clis_set_and_change_key_limits(astack, admin) -> None:
+    astack.env.update({"FLATFARE_ADMIN_URL": astack.base_url, "FLATFARE_ADMIN_TOKEN": astack.admin_token})
+    account = admin.post("/accounts", json={"name": "cli-limits", "plan": "pro"}).json()
+    out = astack.cli("admin", "keys", "create", str(account["id"]), "--name", "remote", "--model", MODEL,
+                     "--daily-limit", "3", "--expires", "2099-01-01T00:00:00Z")
+    assert out.returncode == 0, out.stderr
+    remote = json.loads(out.stdout)
+    assert (remote["allowed_models"], remote["daily_limit"], remote["expires_at"]) == ([MODEL], 3,
+                                                                                       "2099-01-01T00:00:00Z")
+    out = astack.cli("admin", "keys", "update", str(remote["id"]), "--set", "daily_limit=9",
+                     "--set", "allowed_models=null")
+    assert out.returncode == 0, out.stderr
+    assert (json.loads(out.stdout)["daily_limit"], json.loads(out.stdout)["allowed_models"]) == (9, None)
+    refused = astack.cli("admin", "keys", "update", str(remote["id"]), "--set", "daily_limit=0")
+    assert refused.returncode == 1 and "error 422" in refused.stderr
+    # The local CLI writes the database directly.
+    out = astack.cli("keys", "create", "--account", "cli-limits", "--name", "local", "--model", MODEL,
+                     "--model", "smollm2-135m-instruct", "--daily-limit", "2", "--expires", "30d")
+    assert out.returncode == 0, out.stderr
+    secret = out.stdout.strip()
+    local = next(k for k in admin.get(f"/accounts/{account['id']}/keys").json()["data"] if k["name"] == "local")
+    assert (local["allowed_models"], local["daily_limit"]) == ([MODEL, "smollm2-135m-instruct"], 2)
+    expires = datetime.fromisoformat(local["expires_at"])
+    assert timedelta(days=29) < expires - datetime.now(UTC) <= timedelta(days=30)
+    out = astack.cli("keys", "update", secret[:11], "--daily-limit", "6", "--all-models", "--no-expiry",
+                     "--name", "local-2")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["id"] == local["id"]
+    local = next(k for k in admin.get(f"/accounts/{account['id']}/keys").json()["data"] if k["id"] == local["id"])
+    assert (local["name"], local["allowed_models"], local["daily_limit"], local["expires_at"]) == \
+        ("local-2", None, 6, None)
+    assert astack.cli("keys", "update", secret[:11], "--daily-limit", "0").returncode != 0
+    assert astack.cli("keys", "update", "ff-nosuchk").returncode == 2
