@@ -135,7 +135,8 @@ def test_an_edited_prompt_cap_takes_effect(astack, admin) -> None:
         return httpx.post(f"{base}/v1/chat/completions", json={"model": MODEL, "messages": long},
                           headers={"Authorization": f"Bearer {key}"}, timeout=30)
 
-    assert send(astack.base_url).status_code == 200
+    # Polled: a plan created within the plans cache's lifetime is unknown to a gateway until it expires.
+    eventually(lambda: send(astack.base_url), lambda r: r.status_code == 200, "the new plan's first request")
     assert admin.patch("/plans/terse", json={"max_prompt_tokens": 100}).json()["max_prompt_tokens"] == 100
     for base in (astack.base_url, astack.second_url):  # once the plans cache of every gateway process expired
         refused = eventually(lambda base=base: send(base), lambda r: r.status_code == 400,
