@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.netns]
 LEASE_S = 8
 # Each worker holds 4 jobs at once and answers each after 1 s: the load below keeps both busy, with
 # a queue behind them, for at least 30 s, so it still runs when one is cut off. Seeing both hold jobs
-# takes two reads (above) before the cut: 10-20 s under scripts/stress-test.sh, where 160 requests
+# takes two reads (in the test below) before the cut: 10-20 s under scripts/stress-test.sh, where 160 requests
 # answered after 0.2 s each were all done before it.
 ENGINE = InstantWorker(capacity=4, delay_s=1.0)
 REQUESTS = 240
