@@ -15,8 +15,12 @@ from tests.conftest import REPO, need, unavailable
 DIRECT_SKIP = re.compile(r"pytest\.(skip\s*\(|mark\.skip|importorskip)")
 
 
-def test_a_missing_capability_is_skipped_locally(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("CI", raising=False)
+@pytest.mark.parametrize("ci", [None, "", "0", "false"])
+def test_a_missing_capability_is_skipped_locally(monkeypatch: pytest.MonkeyPatch, ci: str | None) -> None:
+    if ci is None:
+        monkeypatch.delenv("CI", raising=False)
+    else:
+        monkeypatch.setenv("CI", ci)
     with pytest.raises(pytest.skip.Exception, match="no frobnicator"):
         need(False, "no frobnicator")
     need(True, "never said")
