@@ -46,6 +46,20 @@ async def test_a_days_counter_pattern_finds_that_days_counters_only(redis: aiore
     assert {key async for key in redis.scan_iter(match=contract.quota_counter_key("*", day))} == counters
 
 
+async def test_the_accounts_and_the_keys_day_counters_never_match_each_others_pattern(redis: aioredis.Redis) -> None:
+    """A rebuild replaces each kind by its own pattern, and the money audit sums the accounts' counters
+    alone: a key's counter under the accounts' pattern would be counted twice."""
+    day = "2026-12-03"
+    accounts = {contract.quota_counter_key(account, day).encode() for account in (1, 22)}
+    keys = {contract.key_quota_counter_key(key_id, day).encode() for key_id in (1, 22)}
+    for key in [*accounts, *keys]:
+        await redis.set(key, 1)
+    assert {key async for key in redis.scan_iter(match=contract.quota_counter_key("*", day))} == accounts
+    assert {key async for key in redis.scan_iter(match=contract.quota_counter_key("*", "*"))} == accounts
+    assert {key async for key in redis.scan_iter(match=contract.key_quota_counter_key("*", day))} == keys
+    assert contract.key_quota_counter_key(7, day) == "ff:keyquota:7:2026-12-03"
+
+
 def test_every_error_builder_writes_the_one_envelope() -> None:
     bodies = [
         gateway_error_body(404, "no such model", param="model", code="model_not_found"),
