@@ -217,7 +217,10 @@ def test_worker_killed_before_the_first_token_gives_the_unit_back(tmp_path) -> N
     env = {"FLATFARE_REQUEST_TIMEOUT_S": "3", "FLATFARE_INSTANT_FIRST_TOKEN_DELAY_S": "30"}
     with launch_stack(tmp_path, model=MODEL, worker_args=("--engine", "instant"), env=env) as stack:
         account_id = stack.sql("SELECT id FROM accounts WHERE name = 'e2e'")[0][0]
+        key_id = stack.sql("SELECT id FROM api_keys WHERE account_id = :a", a=account_id)[0][0]
+        key_counter = contract.key_quota_counter_key(key_id, quota_window("UTC", datetime.now(UTC)).day)
         client = redis_sync.Redis.from_url(stack.redis_url)
+        counted: list[int] = []
 
         async def request_then_kill() -> httpx.Response:
             async with httpx.AsyncClient(timeout=30) as http:
@@ -228,16 +231,18 @@ def test_worker_killed_before_the_first_token_gives_the_unit_back(tmp_path) -> N
                 while not client.xpending(contract.job_stream(MODEL), contract.POOL_GROUP)["pending"]:
                     assert time.monotonic() < deadline, "the worker never took the job"
                     await asyncio.sleep(0.05)
+                counted.append(int(client.get(key_counter) or 0))
                 os.kill(stack.worker.pid, signal.SIGKILL)
                 return await pending
 
         response = asyncio.run(request_then_kill())
-        client.close()
         assert response.status_code == 504
         _wait_closed(stack, account_id)
         rows = stack.sql("SELECT status, billable FROM requests WHERE account_id = :a", a=account_id)
         assert rows == [("failed", False)]  # one row, not charged
         assert _counter(stack, account_id) == 0
+        assert counted == [1] and int(client.get(key_counter) or 0) == 0  # the key's unit came back too
+        client.close()
         assert stack.sql("SELECT count(*) FROM usage_outbox")[0][0] == 0
 
 
