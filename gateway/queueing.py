@@ -126,11 +126,13 @@ class QuotaClaim:
 @dataclass(frozen=True, slots=True)
 class Admitted:
     """The quota count after the request was counted, where its job waits, and the counters'
-    generation it was counted in (for giving the unit back)."""
+    generation it was counted in (for giving the unit back); ``key_used``: the key's count after it
+    (0 when the claim named no key)."""
 
     used: int
     queued: Queued
     generation: str
+    key_used: int = 0
 
 
 class QuotaSpent(Exception):
@@ -205,7 +207,7 @@ class LaneQueue:
         if outcome == LANE_FULL:
             raise _full(job.lane, depth, retry_after(depth, rate))
         entry_id, generation = (value.decode() if isinstance(value, bytes) else value for value in rest[1:3])
-        return Admitted(int(used), Queued(stream=target, entry_id=entry_id, depth=depth), generation)
+        return Admitted(int(used), Queued(stream=target, entry_id=entry_id, depth=depth), generation, int(rest[3]))
 
     async def _bound(self, lane: Lane, pool: str) -> tuple[int, float]:
         """The lane's depth bound now, and the drain rate it came from (0.0: not known)."""

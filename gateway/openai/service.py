@@ -61,6 +61,11 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
+def _key_ratelimit(limit: int, used: int) -> dict[str, str]:
+    """The key's own cap beside the account's headers (which stay the account's)."""
+    return {"x-ratelimit-limit-requests-key": str(limit), "x-ratelimit-remaining-requests-key": str(max(limit - used, 0))}
+
+
 def _billable(reply: Reply) -> bool:
     """A request is charged once the engine produced output; earlier failures give the unit back."""
     return reply.first_token_ms > 0 or (reply.kind is not ReplyKind.ERROR and reply.status < 400)
@@ -261,6 +266,8 @@ class CompletionService:
         admission = replace(admission, generation=admitted.generation)
         self._router.admitted(inbox, admitted.queued.stream, admitted.queued.entry_id, admitted.generation)
         call.ratelimit = ratelimit_headers(terms.daily_limit, admitted.used, window, now)
+        if caller.key.daily_limit is not None:
+            call.ratelimit = {**call.ratelimit, **_key_ratelimit(caller.key.daily_limit, admitted.key_used)}
         # The row is written while the job runs; no answer leaves before it is committed.
         opening = None if idempotency_key else self._ledger.start_open(**row)
         return await self._relay(admission, inbox, call, opening=opening,
@@ -275,7 +282,8 @@ class CompletionService:
                 429, f"The API key {caller.key.label} has used all {caller.key.daily_limit} requests it may make "
                 f"today ({window.day}); its allowance resets in {seconds} s. Other keys of the account are not "
                 "affected.", code="key_rate_limit_exceeded",
-                headers={"Retry-After": str(seconds), **ratelimit_headers(terms.daily_limit, exc.used, window, now)})
+                headers={"Retry-After": str(seconds), **ratelimit_headers(terms.daily_limit, exc.used, window, now),
+                         **_key_ratelimit(caller.key.daily_limit or 0, exc.key_used)})
         if isinstance(exc, QuotaSpent):
             self._metrics.quota_rejected(terms.plan.name)
             seconds = window.seconds_left(now)

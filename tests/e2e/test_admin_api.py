@@ -410,12 +410,20 @@ def test_a_keys_daily_cap_is_exact_across_two_gateway_processes(astack, admin) -
     with ThreadPoolExecutor(12) as pool:
         answers = list(pool.map(lambda n: _chat(bases[n % 2], capped["key"]), range(12)))
     assert sorted(r.status_code for r in answers) == [200] * 4 + [429] * 8
+    served = [r for r in answers if r.status_code == 200]
+    assert sorted(r.headers["x-ratelimit-remaining-requests-key"] for r in served) == ["0", "1", "2", "3"]
     for refused in (r for r in answers if r.status_code == 429):
         error = refused.json()["error"]
         assert error["code"] == "key_rate_limit_exceeded" and "'batch'" in error["message"]
         assert 0 < int(refused.headers["retry-after"]) <= 86400
+        assert refused.headers["x-ratelimit-remaining-requests-key"] == "0"
+    for answer in answers:  # the account's headers stay the account's
+        assert answer.headers["x-ratelimit-limit-requests-key"] == "4"
+        assert answer.headers["x-ratelimit-limit-requests"] != "4"
     assert _counters(astack, account["id"], capped["id"]) == (4, 4)  # refusals counted nothing
-    assert _chat(astack.base_url, other["key"]).status_code == 200  # the account's other key is not capped
+    uncapped = _chat(astack.base_url, other["key"])
+    assert uncapped.status_code == 200  # the account's other key is not capped
+    assert "x-ratelimit-limit-requests-key" not in uncapped.headers
     usage = httpx.get(f"{astack.base_url}/v1/usage", headers=_auth(other["key"])).json()["today"]
     assert usage["requests"] == 5
     by_key = {k["id"]: k for k in usage["keys"]}
