@@ -63,7 +63,8 @@ def new_request_id() -> str:
 
 def _key_ratelimit(limit: int, used: int) -> dict[str, str]:
     """The key's own cap beside the account's headers (which stay the account's)."""
-    return {"x-ratelimit-limit-requests-key": str(limit), "x-ratelimit-remaining-requests-key": str(max(limit - used, 0))}
+    return {"x-ratelimit-limit-requests-key": str(limit),
+            "x-ratelimit-remaining-requests-key": str(max(limit - used, 0))}
 
 
 def _billable(reply: Reply) -> bool:
