@@ -26,6 +26,7 @@ import orjson
 from flatfare.billing.plans import PlanRules
 from flatfare.gateway.errors import APIError, invalid
 from flatfare.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
+from flatfare.gateway.tokenizer_cache import Counted
 
 # Tokens a chat template wraps each message in (role markers, separators): SmolLM2's and Llama 3's
 # take 4 to 5.
@@ -37,8 +38,9 @@ BYTES_PER_TOKEN_ESTIMATE = 4
 
 
 class TokenCounter(Protocol):
-    async def count(self, model: str, texts: Sequence[str]) -> int | None:
-        """The tokens of ``texts`` with ``model``'s tokenizer; None when none is published."""
+    async def count(self, model: str, texts: Sequence[str], limit: int) -> Counted | None:
+        """The tokens of ``texts`` with ``model``'s tokenizer, counted at least until they pass ``limit``;
+        None when none is published."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,16 +109,18 @@ async def check_prompt_length(parsed: ChatCompletionRequest | CompletionRequest,
     parts = prompt_parts(parsed)
     if parts.byte_bound() <= cap:
         return
-    text_tokens: int | None = 0  # token ids alone are counted exactly
+    counted: Counted | None = Counted(0)  # token ids alone are counted exactly
     if parts.texts:
-        text_tokens = await counter.count(parsed.model, parts.texts) if counter is not None else None
-    tokens = parts.estimate() if text_tokens is None else parts.with_text_tokens(text_tokens)
+        counted = await counter.count(parsed.model, parts.texts, cap) if counter is not None else None
+    tokens = parts.estimate() if counted is None else parts.with_text_tokens(counted.tokens)
     if tokens > cap:
         raise prompt_too_long(tokens, plan.name, cap, "messages" if isinstance(parsed, ChatCompletionRequest)
-                              else "prompt")
+                              else "prompt", at_least=counted is not None and not counted.complete)
 
 
-def prompt_too_long(tokens: int, plan: str, cap: int, param: str) -> APIError:
-    return invalid(f"This request's prompt is {tokens} tokens; the {plan} plan allows at most {cap} input tokens "
+def prompt_too_long(tokens: int, plan: str, cap: int, param: str, at_least: bool = False) -> APIError:
+    """``at_least``: counting stopped once past the cap (see the tokenizer cache)."""
+    size = f"at least {tokens}" if at_least else str(tokens)
+    return invalid(f"This request's prompt is {size} tokens; the {plan} plan allows at most {cap} input tokens "
                    f"per request. Shorten the {param}, or send it as several requests.", param=param,
                    code="prompt_too_long")

@@ -17,7 +17,7 @@ from flatfare.contract import Endpoint
 from flatfare.gateway.errors import APIError
 from flatfare.gateway.openai.checks import parse_body
 from flatfare.gateway.openai.prompt_length import TOKENS_PER_PROMPT, check_prompt_length
-from flatfare.gateway.tokenizer_cache import Tokenizers
+from flatfare.gateway.tokenizer_cache import CHARS_PER_LIMIT_TOKEN, Counted, Tokenizers
 from flatfare.storage.models import Lane
 from flatfare.workers.prepare import SMOLLM2
 from flatfare.workers.tokenizer import publish_tokenizer, tokenizer_json
@@ -25,6 +25,7 @@ from tests.conftest import MODELS_DIR, VISIBLE_WITHIN_S
 
 MODEL = "m"
 TTL_S = 0.2
+LIMIT = 1 << 20  # counts below it are whole
 ENGLISH = "The quick brown fox jumps over the lazy dog. "
 # Texts whose tokens per byte differ: digits are one token each in SmolLM2, English ~4.5 bytes a token.
 SAMPLES = [ENGLISH * 50, "0123456789 " * 300, "日本語のテキストです。" * 100, "🙂🚀" * 200, " " * 3000,
@@ -65,31 +66,31 @@ def test_every_token_covers_at_least_one_byte(tokenizer_text: str) -> None:
 
 async def test_the_gateway_counts_with_the_tokenizer_the_worker_published(redis, tokenizer_text: str) -> None:
     tokenizers = Tokenizers(redis, TTL_S)
-    assert await tokenizers.count(MODEL, ["hello"]) is None  # nothing published yet
+    assert await tokenizers.count(MODEL, ["hello"], LIMIT) is None  # nothing published yet
     assert await publish_tokenizer(redis, MODEL, tokenizer_text)
     assert not await publish_tokenizer(redis, MODEL, tokenizer_text)  # a replica's start rewrites nothing
     deadline = time.monotonic() + VISIBLE_WITHIN_S
-    while (counted := await tokenizers.count(MODEL, SAMPLES[:2])) is None:
+    while (counted := await tokenizers.count(MODEL, SAMPLES[:2], LIMIT)) is None:
         assert time.monotonic() < deadline, "the published tokenizer was not seen"
         await asyncio.sleep(TTL_S / 2)
-    assert counted == sum(_count(text, tokenizer_text) for text in SAMPLES[:2])
+    assert counted == Counted(sum(_count(text, tokenizer_text) for text in SAMPLES[:2]), complete=True)
 
 
 async def test_a_new_tokenizer_replaces_the_loaded_one(redis, tokenizer_text: str) -> None:
     tokenizers = Tokenizers(redis, TTL_S)
     await publish_tokenizer(redis, MODEL, tokenizer_text)
     digits = "0123456789" * 100
-    first = await tokenizers.count(MODEL, [digits])
-    assert first == _count(digits, tokenizer_text)
+    first = await tokenizers.count(MODEL, [digits], LIMIT)
+    assert first == Counted(_count(digits, tokenizer_text))
     # A tokenizer that learnt the digits as one token: the digest changes, and the gateway reloads it.
     other = _trained(["0123456789" * 50] * 20, 300)
     assert await publish_tokenizer(redis, MODEL, other)
     assert json.loads(other) != json.loads(tokenizer_text)
     deadline = time.monotonic() + VISIBLE_WITHIN_S
-    while (counted := await tokenizers.count(MODEL, [digits])) == first:
+    while (counted := await tokenizers.count(MODEL, [digits], LIMIT)) == first:
         assert time.monotonic() < deadline, "the new tokenizer was not loaded"
         await asyncio.sleep(TTL_S / 2)
-    assert counted == _count(digits, other) < first
+    assert counted.tokens == _count(digits, other) < first.tokens
     stored = await redis.hget(contract.tokenizer_key(MODEL), contract.TOKENIZER_DIGEST)
     assert stored is not None
 
@@ -114,4 +115,20 @@ async def test_a_long_prompt_is_refused_on_the_real_count(redis, tokenizer_text:
 async def test_an_unreadable_tokenizer_falls_back_to_the_estimate(redis) -> None:
     await redis.hset(contract.tokenizer_key(MODEL), mapping={contract.TOKENIZER_DIGEST: "x",
                                                               contract.TOKENIZER_JSON: "{not json"})
-    assert await Tokenizers(redis, TTL_S).count(MODEL, ["hello"]) is None
+    assert await Tokenizers(redis, TTL_S).count(MODEL, ["hello"], LIMIT) is None
+
+
+async def test_counting_stops_once_past_the_limit(redis, tokenizer_text: str) -> None:
+    """A refusal is free: a megabyte of digits against a 4096-token cap encodes a piece or two, not all."""
+    await publish_tokenizer(redis, MODEL, tokenizer_text)
+    tokenizers = Tokenizers(redis, TTL_S)
+    piece = (4096 + 1) * CHARS_PER_LIMIT_TOKEN
+    counted = await tokenizers.count(MODEL, ["0123456789" * 100_000], 4096)
+    assert counted is not None and not counted.complete and 4096 < counted.tokens <= piece
+    # Texts shorter than a piece, however many, are counted whole and exactly.
+    many = [ENGLISH * 3] * 40
+    assert await tokenizers.count(MODEL, many, 4096) == Counted(sum(_count(t, tokenizer_text) for t in many))
+    _, parsed = parse_body(Endpoint.COMPLETION, json.dumps({"model": MODEL, "prompt": "7" * 1_000_000}).encode())
+    with pytest.raises(APIError) as refused:
+        await check_prompt_length(parsed, _free(), tokenizers)
+    assert refused.value.message.startswith("This request's prompt is at least ")

@@ -13,6 +13,7 @@ from flatfare.gateway.errors import APIError
 from flatfare.gateway.openai.checks import check_caps
 from flatfare.gateway.openai.prompt_length import (TOKENS_PER_MESSAGE, TOKENS_PER_PROMPT, PromptParts,
                                                    check_prompt_length, prompt_parts)
+from flatfare.gateway.tokenizer_cache import Counted
 from flatfare.gateway.openai.service import parse_body
 from flatfare.storage.models import Lane
 
@@ -114,9 +115,9 @@ class _Tokenizer:
         self.asked: list[tuple[str, ...]] = []
         self.published = published
 
-    async def count(self, model: str, texts: Sequence[str]) -> int | None:
+    async def count(self, model: str, texts: Sequence[str], limit: int) -> Counted | None:
         self.asked.append(tuple(texts))
-        return sum(len(t.encode()) for t in texts) if self.published else None
+        return Counted(sum(len(t.encode()) for t in texts)) if self.published else None
 
 
 def _plan(max_prompt_tokens: int | None, name: str = "free") -> PlanRules:
