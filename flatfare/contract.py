@@ -33,10 +33,10 @@ Request path in Redis terms:
 6. Workers announce themselves every :data:`HEARTBEAT_INTERVAL_S` in ``pool_key(model)`` (a sorted
    set scored by the last heartbeat, in ms) and ``worker_key(worker_id)`` (a hash of
    :class:`WorkerInfo`). A worker is live while its heartbeat is younger than :data:`WORKER_TTL_S`.
-7. A worker publishes its model's tokenizer once at start in ``tokenizer_key(model)`` (a hash:
-   :data:`TOKENIZER_DIGEST`, the SHA-256 of :data:`TOKENIZER_JSON`, its ``tokenizer.json``). Gateways
-   count a long prompt's tokens with it before the request is counted or queued, and reload it only
-   when the digest changes.
+7. A worker publishes its model's tokenizer at start (and again whenever it is gone) in
+   ``tokenizer_key(model)``: a hash of :data:`TOKENIZER_DIGEST`, the SHA-256 of :data:`TOKENIZER_JSON`,
+   its ``tokenizer.json``. Gateways count a long prompt's tokens with it before the request is counted
+   or queued, and reload it only when the digest changes.
 """
 
 from __future__ import annotations

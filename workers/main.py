@@ -25,7 +25,7 @@ from flatfare.workers.presence import Presence, now_ms
 from flatfare.workers.metrics import WorkerMetrics
 from flatfare.workers.prepare import resolve_source
 from flatfare.workers.settings import WorkerSettings
-from flatfare.workers.tokenizer import publish_tokenizer, tokenizer_json
+from flatfare.workers.tokenizer import keep_published, publish_tokenizer, tokenizer_json
 
 log = logging.getLogger("flatfare.worker")
 
@@ -102,10 +102,13 @@ async def serve(settings: WorkerSettings, progress: Callable[[str], None] = log.
         await presence.stop()
         await redis.aclose()
         raise
+    republish: asyncio.Task[None] | None = None
     if model_path:  # before it is warm: a gateway counting a long prompt for it finds the tokenizer there
         text = await asyncio.to_thread(tokenizer_json, model_path)
-        if text is not None and await publish_tokenizer(redis, model, text):
-            progress(f"published the tokenizer of {model}")
+        if text is not None:
+            if await publish_tokenizer(redis, model, text):
+                progress(f"published the tokenizer of {model}")
+            republish = asyncio.create_task(keep_published(redis, model, text), name="tokenizer")
     capacity = settings.max_inflight or engine.max_num_seqs
     info.max_model_len, info.capacity = engine.max_model_len, capacity
     metrics = WorkerMetrics(model)
@@ -122,6 +125,9 @@ async def serve(settings: WorkerSettings, progress: Callable[[str], None] = log.
     try:
         await loop.run()
     finally:
+        if republish is not None:
+            republish.cancel()
+            await asyncio.gather(republish, return_exceptions=True)
         await redis.aclose()
         engine.shutdown()
         metrics.close()

@@ -3,6 +3,7 @@ before the request is counted or queued (``contract.tokenizer_key``)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from pathlib import Path
@@ -13,6 +14,10 @@ from flatfare import contract
 from flatfare.redis_conn import REDIS_DOWN
 
 log = logging.getLogger("flatfare.worker")
+
+# How often a running worker checks that its tokenizer is still published (a Redis that lost its data
+# lost it too): one HGET; the tokenizer is written again only when it is missing or another replaced it.
+REPUBLISH_EVERY_S = 30.0
 
 
 def tokenizer_json(model_path: str) -> str | None:
@@ -52,3 +57,12 @@ async def publish_tokenizer(redis: aioredis.Redis, model: str, text: str) -> boo
                     model, exc.__class__.__name__)
         return False
     return True
+
+
+async def keep_published(redis: aioredis.Redis, model: str, text: str, every_s: float = REPUBLISH_EVERY_S) -> None:
+    """Publish ``text`` again whenever it is gone, until cancelled: after a Redis data loss, gateways
+    estimate this model's long prompts only until the next check."""
+    while True:
+        await asyncio.sleep(every_s)
+        if await publish_tokenizer(redis, model, text):
+            log.info("published the tokenizer of %s again", model)
