@@ -6,7 +6,8 @@ one byte of the text, and a SentencePiece one (Llama 2, Mistral) at least one ch
 has at most as many tokens as UTF-8 bytes. What the text does not hold is added on top: special
 tokens and the prefix space per prompt (:data:`TOKENS_PER_PROMPT`), the chat template's role markers
 per message (:data:`TOKENS_PER_MESSAGE`). A tokenizer whose normalizer lengthens text (NFKC turns
-some characters into many) would break the bound; the chat models this serves have none that does.
+some characters into many, even NFC splits a few) can exceed the bound on text made of such
+characters; the default model's (SmolLM2) has no normalizer.
 
 Only a prompt whose bound passes the cap is tokenized, with the model's own tokenizer (its worker
 publishes it, see :mod:`flatfare.gateway.tokenizer_cache`), in a thread. Before any worker of the
