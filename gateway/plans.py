@@ -23,4 +23,8 @@ class PlanBook:
             return {row.name: PlanRules.from_row(row) for row in await session.scalars(select(Plan))}
 
     async def terms(self, account: Account, now: datetime) -> AccountTerms:
-        return account_terms(account, await self.plans(), now)
+        plans = await self.plans()
+        if account.plan not in plans:  # a plan created since the last read (the account is newer)
+            self.plans.cache_clear()
+            plans = await self.plans()
+        return account_terms(account, plans, now)
