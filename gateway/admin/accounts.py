@@ -177,7 +177,9 @@ async def rotate_key(request: Request, key_id: RowId, body: KeyRotate, admin: Ad
         if old.expires_at is None or grace_ends < old.expires_at:
             old.expires_at = grace_ends
         account = await session.get(Account, old.account_id)
-        issued = await issue_key(session, account, body.name if body.name is not None else old.name)
+        # The new key keeps the old one's limits: a rotation must not widen what the key may do.
+        issued = await issue_key(session, account, body.name if body.name is not None else old.name,
+                                 KeyLimitsUpdate(allowed_models=old.allowed_models, daily_limit=old.daily_limit))
         new = await session.get(ApiKey, issued.key_id)
         await session.refresh(new)
         record(session, admin, "key.rotate", "key", key_id, before, {**snapshot(old), "replaced_by": new.id})

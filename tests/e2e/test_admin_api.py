@@ -383,6 +383,13 @@ def test_a_model_outside_the_keys_list_is_refused_free_and_not_listed(astack, ad
                    f"the widened key served at {base}")
 
 
+def test_a_rotated_key_keeps_its_limits(admin) -> None:
+    account = admin.post("/accounts", json={"name": "rotated-limits", "plan": "pro"}).json()
+    old = admin.post(f"/accounts/{account['id']}/keys", json={"allowed_models": [MODEL], "daily_limit": 3}).json()
+    new = admin.post(f"/keys/{old['id']}/rotate", json={"grace_seconds": 60}).json()
+    assert (new["allowed_models"], new["daily_limit"], new["expires_at"]) == ([MODEL], 3, None)
+
+
 def test_an_expired_key_is_refused_401(astack, admin) -> None:
     account = admin.post("/accounts", json={"name": "expiring", "plan": "pro"}).json()
     past = admin.post(f"/accounts/{account['id']}/keys", json={"expires_at": "2020-01-01T00:00:00Z"}).json()
