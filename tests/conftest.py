@@ -20,10 +20,12 @@ import redis as redis_sync
 import redis.asyncio as aioredis
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from flatfare.redis_conn import connect
 from flatfare.redis_local import LocalRedis, free_port
-from flatfare.storage.db import migrate
+from flatfare.storage.db import create_engine as create_async_engine
+from flatfare.storage.db import migrate, session_factory
 
 REPO = Path(__file__).resolve().parents[1]
 POSTGRES_URL = os.environ.get("FLATFARE_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
@@ -123,6 +125,14 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
         for url in postgres_database():
             migrate(url)
             yield url
+
+
+@pytest.fixture
+async def sessions(database_url: str) -> AsyncIterator[async_sessionmaker[AsyncSession]]:
+    """Sessions on ``database_url`` (each kind, migrated), the engine disposed afterwards."""
+    engine = create_async_engine(database_url, pool_size=2)
+    yield session_factory(engine)
+    await engine.dispose()
 
 
 def sync_url(url: str) -> str:

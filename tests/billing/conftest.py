@@ -1,22 +1,10 @@
-"""Billing tests' database: sessions on an empty, migrated database of each kind (tests/conftest.py's
-``database_url``), and an account with a key to write ledger rows for."""
+"""Billing tests: an account with a key to write ledger rows for (`sessions` is tests/conftest.py's)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
-import pytest
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from flatfare.storage.accounts import IssuedKey, ensure_account, issue_key
-from flatfare.storage.db import create_engine, session_factory
-
-
-@pytest.fixture
-async def sessions(database_url: str) -> AsyncIterator[async_sessionmaker[AsyncSession]]:
-    engine = create_engine(database_url, pool_size=2)
-    yield session_factory(engine)
-    await engine.dispose()
 
 
 async def account_with_key(sessions: async_sessionmaker[AsyncSession], name: str, plan: str = "pro", *,

@@ -20,17 +20,9 @@ from flatfare.contract import Endpoint, Job, Lane
 from flatfare.gateway.queueing import Admitted, KeyQuotaSpent, LaneLimits, LaneQueue, QuotaClaim
 from flatfare.redis_conn import connect
 from flatfare.storage.accounts import IssuedKey, ensure_account, issue_key
-from flatfare.storage.db import create_engine, session_factory
 from flatfare.storage.models import RequestStatus
 
 POOL = "m"
-
-
-@pytest.fixture
-async def sessions(database_url: str):
-    engine = create_engine(database_url, pool_size=2)
-    yield session_factory(engine)
-    await engine.dispose()
 
 
 async def _no_counts(days: list[str], leave_out: tuple[str, ...] = ()) -> dict[tuple[int, str], int]:

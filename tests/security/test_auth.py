@@ -15,7 +15,6 @@ from sqlalchemy import create_engine as create_sync_engine
 from sqlalchemy import event, func, select, text
 
 from flatfare.storage.accounts import ensure_account, issue_admin_token, issue_key
-from flatfare.storage.db import create_engine, session_factory
 from flatfare.storage.keys import hash_key
 from flatfare.storage.models import AdminToken, ApiKey
 from flatfare.gateway.admin.auth import AdminAuthenticator
@@ -31,13 +30,6 @@ INJECTIONS = ["' OR '1'='1' -- ", "'; DROP TABLE api_keys; --", "\" OR 1=1 UNION
 def padded(prefix: str, payload: str) -> str:
     """The payload as a well-formed key (prefix + 43 characters), so it gets past the format check."""
     return prefix + (payload * 43)[:43]
-
-
-@pytest.fixture
-async def sessions(database_url: str):
-    engine = create_engine(database_url, pool_size=2)
-    yield session_factory(engine)
-    await engine.dispose()
 
 
 @pytest.fixture

@@ -26,13 +26,6 @@ from flatfare.storage.models import ApiKey, CatalogModel, Plan, RequestRecord, R
 from tests.conftest import unavailable
 
 
-@pytest.fixture
-async def sessions(database_url: str):
-    engine = create_engine(database_url, pool_size=2)
-    yield session_factory(engine)
-    await engine.dispose()
-
-
 async def test_migration_seeds_plans_and_default_model(sessions) -> None:
     async with sessions() as session:
         plans = {p.name: p for p in await session.scalars(select(Plan))}

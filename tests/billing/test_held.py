@@ -7,7 +7,6 @@ import asyncio
 import time
 from datetime import UTC, datetime
 
-import pytest
 from sqlalchemy import select
 
 from flatfare.billing.ledger import Charge, Ledger, Outcome
@@ -16,17 +15,9 @@ from flatfare.billing.quota import EPOCH_KEY, DailyQuota, counter_key, expiry
 from flatfare import contract
 from flatfare.contract import Endpoint, Job, Lane
 from flatfare.storage.accounts import ensure_account, issue_key
-from flatfare.storage.db import create_engine, session_factory
 from flatfare.storage.models import RequestRecord, RequestStatus
 from flatfare.billing.held import LOST_CODE, HeldUnits
 from flatfare.gateway.queueing import LaneLimits, LaneQueue, QuotaClaim
-
-
-@pytest.fixture
-async def sessions(database_url: str):
-    engine = create_engine(database_url, pool_size=2)
-    yield session_factory(engine)
-    await engine.dispose()
 
 
 async def test_a_dead_gateways_units_are_settled_once(redis, sessions) -> None:
