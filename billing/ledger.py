@@ -249,23 +249,20 @@ class Ledger:
 
     async def billable_counts(self, days: list[str], leave_out: tuple[str, ...] = ()) -> dict[tuple[int, str], int]:
         """Billable requests per (account, quota day), but ``leave_out``: what the counters must say."""
-        async with self._sessions() as session:
-            rows = await session.execute(
-                select(RequestRecord.account_id, RequestRecord.quota_day, func.count())
-                .where(RequestRecord.billable.is_(True), RequestRecord.quota_day.in_(days),
-                       RequestRecord.id.not_in(leave_out))
-                .group_by(RequestRecord.account_id, RequestRecord.quota_day))
-            return {(account_id, day): count for account_id, day, count in rows}
+        return await self._billable_per(RequestRecord.account_id, days, leave_out)
 
     async def billable_key_counts(self, days: list[str], leave_out: tuple[str, ...] = ()) -> dict[tuple[int, str], int]:
         """Billable requests per (API key, quota day), but ``leave_out``: what the keys' counters must say."""
+        return await self._billable_per(RequestRecord.api_key_id, days, leave_out)
+
+    async def _billable_per(self, owner: Any, days: list[str], leave_out: tuple[str, ...]) -> dict[tuple[int, str], int]:
         async with self._sessions() as session:
             rows = await session.execute(
-                select(RequestRecord.api_key_id, RequestRecord.quota_day, func.count())
+                select(owner, RequestRecord.quota_day, func.count())
                 .where(RequestRecord.billable.is_(True), RequestRecord.quota_day.in_(days),
                        RequestRecord.id.not_in(leave_out))
-                .group_by(RequestRecord.api_key_id, RequestRecord.quota_day))
-            return {(key_id, day): count for key_id, day, count in rows}
+                .group_by(owner, RequestRecord.quota_day))
+            return {(owner_id, day): count for owner_id, day, count in rows}
 
 
 async def daily_usage(sessions: async_sessionmaker[AsyncSession], account_id: int,
