@@ -187,7 +187,8 @@ def _wait_ready(stack: Stack) -> None:
     raise RuntimeError(f"the stack was not ready within {STACK_READY_TIMEOUT_S} s; logs in {stack.logs}")
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 30 s."""
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -233,8 +234,8 @@ def launch_stack(data: Path, *, model: str = "smollm2-135m-instruct", worker_arg
         _wait_ready(stack)
         yield stack
     finally:
-        _stop(gateway)
-        _stop(stack.worker)
+        stop_process(gateway)
+        stop_process(stack.worker)
         local_redis.stop()
 
 

@@ -31,6 +31,7 @@ import pytest
 from flatfare.redis_local import free_port
 from flatfare.storage.db import alembic_config
 from flatfare.storage.models import Base
+from tests.conftest import stop_process
 from tests.deploy.files import DOCKERFILES, REPO, docker_ignored, package_roots
 from tests.deploy.test_images import wheel_sources
 
@@ -180,16 +181,6 @@ def test_the_commands_start(installed: WheelEnv, command: str) -> None:
     assert f"flatfare {command}" in done.stdout
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 @pytest.fixture
 def served(installed: WheelEnv, redis_url: str) -> Iterator[tuple[str, str]]:
     """`flatfare migrate`, `keys create`, `gateway` and `worker` (the instant engine: no model) from the wheel."""
@@ -228,7 +219,7 @@ def served(installed: WheelEnv, redis_url: str) -> Iterator[tuple[str, str]]:
         yield base_url, key
     finally:
         for process in processes.values():
-            _stop(process)
+            stop_process(process)
 
 
 def test_the_installed_gateway_and_worker_answer_a_request(served: tuple[str, str]) -> None:

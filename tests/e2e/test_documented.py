@@ -28,7 +28,7 @@ from bench.stripe_edge import StripeEdge
 from flatfare import contract
 from flatfare.billing.plans import quota_window
 from flatfare.billing.quota import counter_key
-from tests.conftest import Stack, launch_stack
+from tests.conftest import Stack, eventually, launch_stack, stop_process
 
 pytestmark = pytest.mark.e2e
 
@@ -48,10 +48,7 @@ def dstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def _until(predicate: Callable[[], object], what: str, timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
+    eventually(predicate, bool, what, timeout_s=timeout_s)
 
 
 async def _until_async(predicate: Callable[[], object], what: str, timeout_s: float = 20) -> None:
@@ -93,12 +90,7 @@ def _worker(stack: Stack, model: str, *, log_prompts: bool = False, **env: str) 
         _until(routed, f"the {model} worker never became warm", timeout_s=60)
         yield log
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
 
 
 def _account(stack: Stack, name: str) -> tuple[int, str]:
