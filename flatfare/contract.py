@@ -98,6 +98,29 @@ def drained_key(model: str, lane: Lane) -> str:
     return f"{PREFIX}:drained:{{{model}}}:{lane.value}"
 
 
+def account_queue(model: str, lane: Lane, account_id: int | str) -> str:
+    """One account's jobs waiting on a lane (a stream, oldest first, no consumer group): the claim
+    script serves the lane's accounts in turn and moves each job it takes into the lane's stream."""
+    return f"{PREFIX}:jobs:{{{model}}}:{lane.value}:a:{account_id}"
+
+
+def lane_ring(model: str, lane: Lane) -> str:
+    """The accounts with jobs waiting on a lane, in serving order (a list, each account once)."""
+    return f"{PREFIX}:ring:{{{model}}}:{lane.value}"
+
+
+def queued_key(model: str, lane: Lane) -> str:
+    """How many jobs wait on a lane (in its accounts' queues), kept exact by the scripts that add,
+    move and withdraw them: the lane's depth bound and its queue-depth gauges read it."""
+    return f"{PREFIX}:queued:{{{model}}}:{lane.value}"
+
+
+def wake_stream(model: str) -> str:
+    """Rung (XADD) by every admission to the pool: idle workers block on it (XREAD) instead of on
+    the queues themselves, which a blocking read cannot watch."""
+    return f"{PREFIX}:wake:{{{model}}}"
+
+
 def prefix_key(model: str, prefix_hash: str) -> str:
     """The worker that last served a prompt prefix (its KV cache likely still holds it)."""
     return f"{PREFIX}:prefix:{{{model}}}:{prefix_hash}"
@@ -153,6 +176,17 @@ def key_quota_counter_key(key_id: int | str, day: str) -> str:
     its own daily cap is refused at it); with ``key_id="*"``, the SCAN pattern of that day's. Outside
     ``ff:quota:`` so the accounts' pattern never matches it."""
     return f"{PREFIX}:keyquota:{key_id}:{day}"
+
+
+def inflight_key(account_id: int | str) -> str:
+    """An account's requests in flight (queued or running): a sorted set of request ids scored by the
+    time (ms) after which an entry left behind by a dead process no longer counts."""
+    return f"{PREFIX}:inflight:a:{account_id}"
+
+
+def key_inflight_key(key_id: int | str) -> str:
+    """One API key's requests in flight, like :func:`inflight_key`."""
+    return f"{PREFIX}:inflight:k:{key_id}"
 
 
 # The gateway process that delivers the meter-event outbox to Stripe holds this lease (its id).
