@@ -70,6 +70,8 @@ class Plan(Base):
     # Sequences one request may generate: prompts x n (x best_of when larger).
     max_n: Mapped[int] = mapped_column(Integer, default=1)
     max_body_bytes: Mapped[int] = mapped_column(Integer, default=1_048_576)
+    # Requests an account on the plan may have queued or running at once; None: no cap.
+    max_inflight: Mapped[int | None] = mapped_column(Integer)
     timezone: Mapped[str] = mapped_column(String(64), default="UTC")
     trial_days: Mapped[int | None] = mapped_column(Integer)
     retired: Mapped[bool] = mapped_column(Boolean, default=False)
@@ -88,6 +90,8 @@ class Account(Base):
     daily_limit_override: Mapped[int | None] = mapped_column(Integer)
     unlimited: Mapped[bool] = mapped_column(Boolean, default=False)
     dedicated_pool: Mapped[str | None] = mapped_column(String(128))
+    # None: the plan's max_inflight; a number replaces it for this account.
+    max_inflight_override: Mapped[int | None] = mapped_column(Integer)
     stripe_subscription_id: Mapped[str | None] = mapped_column(String(64))
     subscription_status: Mapped[str | None] = mapped_column(String(32))
     billing_event_at: Mapped[int | None] = mapped_column(BigInteger)
@@ -112,6 +116,8 @@ class ApiKey(Base):
     allowed_models: Mapped[list[str] | None] = mapped_column(JSON)
     # None: the account's daily limit; a number caps this key's requests a day below it.
     daily_limit: Mapped[int | None] = mapped_column(Integer)
+    # None: only the account's cap; a number caps this key's requests in flight (the lower one binds).
+    max_inflight: Mapped[int | None] = mapped_column(Integer)
 
 
 class CatalogModel(Base):

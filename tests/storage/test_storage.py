@@ -35,6 +35,8 @@ async def test_migration_seeds_plans_and_default_model(sessions) -> None:
     assert plans["premium"].lane == "premium" and plans["free"].lane == "standard"
     assert plans["enterprise"].daily_limit is None
     assert plans["trial"].trial_days == 7
+    assert {name: plan.max_inflight for name, plan in plans.items()} == \
+        {"free": 4, "trial": 16, "pro": 16, "premium": 64, "enterprise": None}
     assert model is not None and model.pinned and model.enabled
     assert model.source == "builtin:smollm2-135m-instruct"
     assert model.engine_options["max_model_len"] == 2048
