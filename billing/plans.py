@@ -27,6 +27,8 @@ class PlanRules:
     timezone: str
     # Input tokens one request may send (all its prompts together); None: the model's context bounds it.
     max_prompt_tokens: int | None = None
+    # Requests an account may have queued or running at once; None: no cap.
+    max_inflight: int | None = None
 
     @classmethod
     def from_row(cls, plan: Plan) -> PlanRules:
@@ -35,6 +37,7 @@ class PlanRules:
             lane=Lane(plan.lane), allowed_models=frozenset(plan.allowed_models) if plan.allowed_models is not None
             else None, max_output_tokens=plan.max_output_tokens, max_n=plan.max_n,
             max_body_bytes=plan.max_body_bytes, timezone=plan.timezone, max_prompt_tokens=plan.max_prompt_tokens,
+            max_inflight=plan.max_inflight,
         )
 
     def allows_model(self, model: str) -> bool:
@@ -48,6 +51,8 @@ class AccountTerms:
     plan: PlanRules
     daily_limit: int | None
     pool: str | None = None
+    # Requests in flight (queued or running) at once; None: no cap.
+    max_inflight: int | None = None
 
 
 def effective_plan_name(account: Account, now: datetime) -> str:
@@ -66,7 +71,10 @@ def account_terms(account: Account, plans: dict[str, PlanRules], now: datetime) 
         limit = account.daily_limit_override
     else:
         limit = plan.daily_limit
-    return AccountTerms(plan=plan, daily_limit=limit, pool=account.dedicated_pool)
+    # ``unlimited`` lifts the daily limit only: the in-flight cap is the account's share of the
+    # engines, not an allowance. An override replaces the plan's cap, above or below it.
+    inflight = account.max_inflight_override if account.max_inflight_override is not None else plan.max_inflight
+    return AccountTerms(plan=plan, daily_limit=limit, pool=account.dedicated_pool, max_inflight=inflight)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,8 @@ class KeyLimits:
     prefix: str
     allowed_models: tuple[str, ...] | None = None
     daily_limit: int | None = None
+    # Requests of this key in flight at once; the account's cap binds too, so the lower one wins.
+    max_inflight: int | None = None
 
     @property
     def label(self) -> str:
@@ -103,6 +105,6 @@ class Authenticator:
             session.expunge(account)
             models = api_key.allowed_models
             limits = KeyLimits(api_key.name, api_key.prefix, None if models is None else tuple(models),
-                               api_key.daily_limit)
+                               api_key.daily_limit, api_key.max_inflight)
             return Caller(account_id=account.id, account_name=account.name, key_id=api_key.id, account=account,
                           key=limits)

@@ -56,9 +56,10 @@ class KeyLimitsUpdate:
     expires_at: datetime | None | object = UNSET
     allowed_models: list[str] | None | object = UNSET
     daily_limit: int | None | object = UNSET
+    max_inflight: int | None | object = UNSET
 
     def apply(self, key: ApiKey) -> None:
-        for field in ("name", "expires_at", "allowed_models", "daily_limit"):
+        for field in ("name", "expires_at", "allowed_models", "daily_limit", "max_inflight"):
             value = getattr(self, field)
             if value is not UNSET:
                 setattr(key, field, value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -55,3 +56,20 @@ def test_account_overrides() -> None:
     assert account_terms(Account(plan="pro", daily_limit_override=60, unlimited=False), plans, now).daily_limit == 60
     terms = account_terms(Account(plan="enterprise", unlimited=True, dedicated_pool="acme"), plans, now)
     assert terms.daily_limit is None and terms.pool == "acme"
+
+
+def test_in_flight_cap_comes_from_the_account_override_then_the_plan() -> None:
+    plans = {"pro": replace(_plan("pro", 1000), max_inflight=16), "enterprise": _plan("enterprise", None)}
+    now = datetime(2026, 12, 2, tzinfo=UTC)
+    assert account_terms(Account(plan="pro", unlimited=False), plans, now).max_inflight == 16
+    # The override replaces the plan's cap, above or below it.
+    assert account_terms(Account(plan="pro", max_inflight_override=2, unlimited=False), plans, now).max_inflight == 2
+    assert account_terms(Account(plan="pro", max_inflight_override=500, unlimited=False), plans,
+                         now).max_inflight == 500
+    # An unlimited account has no daily limit, but still its share of the engines.
+    unlimited = account_terms(Account(plan="pro", unlimited=True), plans, now)
+    assert (unlimited.daily_limit, unlimited.max_inflight) == (None, 16)
+    # A plan without a cap (enterprise, as seeded) leaves an account without an override uncapped.
+    assert account_terms(Account(plan="enterprise", unlimited=True), plans, now).max_inflight is None
+    assert account_terms(Account(plan="enterprise", max_inflight_override=128, unlimited=True), plans,
+                         now).max_inflight == 128
