@@ -1,18 +1,30 @@
 """deploy/k8s against Kubernetes' schemas (kubernetes-validate, strict: unknown fields fail), and the KEDA
-ScaledObjects (a CRD without a schema here) against their structure and the queue contract."""
+ScaledObjects (a CRD without a schema here) against their structure, the metrics the gateway exports
+and, with promtool, what their queries compute."""
 
 from __future__ import annotations
 
 import copy
 import json
+import math
+import re
+import subprocess
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import kubernetes_validate
 import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
-from flatfare.gateway.metrics import lane_streams
+from flatfare.contract import Lane
+from flatfare.gateway.metrics import MULTIPROC_ENV, GatewayMetrics, PlatformSnapshot, QueueDepth, exposition
 from flatfare.gateway.settings import GatewaySettings
-from tests.deploy.files import K8S, REPO, compose, k8s_documents, load_yaml
+from tests.conftest import need
+from tests.deploy.files import K8S, REPO, compose, grouping_labels, k8s_documents, load_yaml
+from tests.deploy.test_observability import PROMTOOL, PROMTOOL_MISSING
 
 KUBERNETES_VERSION = "1.30.0"  # the oldest release still in common support; newer ones accept these too
 KEDA_API = "keda.sh/v1alpha1"
@@ -85,12 +97,44 @@ def test_disruption_budgets_select_pods_of_a_deployment() -> None:
         assert any(selector.items() <= labels.items() for labels in pod_labels), budget["metadata"]["name"]
 
 
-def test_scaled_objects_scale_a_worker_pool_on_its_models_stream() -> None:
+# What a worker pool scales on: the jobs of its model waiting (flatfare_queue_depth) plus those workers
+# hold (flatfare_queue_claimed), both lanes, as the gateway's /metrics reports them.
+QUEUE_METRICS = {"flatfare_queue_depth", "flatfare_queue_claimed"}
+# A metric selector with its label matchers: flatfare_queue_depth{model="m", lane=~"p.*"}.
+_SELECTOR = re.compile(r"(?P<name>flatfare_[A-Za-z0-9_:]*)\s*(?:\{(?P<matchers>[^}]*)\})?")
+_MATCHER = re.compile(r'(?P<label>[A-Za-z_][A-Za-z0-9_]*)\s*(?P<op>=~|!~|!=|=)\s*"(?P<value>[^"]*)"')
+
+
+def _selectors(query: str) -> list[tuple[str, dict[str, str]]]:
+    """``(metric name, {label: value})`` for every Flatfare metric in ``query``; equality matchers only,
+    so that what a selector picks can be checked against the gateway's samples."""
+    found = []
+    for selector in _SELECTOR.finditer(query):
+        matchers = list(_MATCHER.finditer(selector["matchers"] or ""))
+        assert all(m["op"] == "=" for m in matchers), f"only label=\"value\" matchers: {selector[0]!r}"
+        found.append((selector["name"], {m["label"]: m["value"] for m in matchers}))
+    return found
+
+
+def _pools() -> list[tuple[dict[str, Any], str]]:
+    """Every ScaledObject with the FLATFARE_MODEL of the worker Deployment it scales."""
+    workers = _workers()
+    pools = []
+    for obj in _documents("ScaledObject"):
+        (container,) = workers[obj["spec"]["scaleTargetRef"]["name"]]["spec"]["template"]["spec"]["containers"]
+        pools.append((obj, _env(container)["FLATFARE_MODEL"]))
+    return pools
+
+
+def _queue_triggers() -> list[tuple[str, dict[str, Any]]]:
+    return [(model, trigger) for obj, model in _pools() for trigger in obj["spec"]["triggers"]]
+
+
+def test_scaled_objects_scale_a_worker_pool_on_its_models_queue() -> None:
     workers = _workers()
     scaled = _documents("ScaledObject")
     assert {s["spec"]["scaleTargetRef"]["name"] for s in scaled} == set(workers)
-    redis_service = next(d for d in _documents("Service") if d["metadata"]["name"] == "flatfare-redis")
-    for obj in scaled:
+    for obj, model in _pools():
         assert obj["apiVersion"] == KEDA_API and obj["metadata"]["namespace"] == "flatfare"
         spec = obj["spec"]
         assert set(spec) <= {"scaleTargetRef", "minReplicaCount", "maxReplicaCount", "pollingInterval",
@@ -98,19 +142,106 @@ def test_scaled_objects_scale_a_worker_pool_on_its_models_stream() -> None:
         assert 0 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
         behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
         assert set(behavior) <= {"scaleUp", "scaleDown"}
-        (container,) = workers[spec["scaleTargetRef"]["name"]]["spec"]["template"]["spec"]["containers"]
-        model = _env(container)["FLATFARE_MODEL"]
-        # One trigger per job stream of the model (its lanes): KEDA scales on the busiest.
-        streams = {t["metadata"]["stream"] for t in spec["triggers"]}
-        assert streams == set(lane_streams(model).values()), "update the ScaledObject's triggers to the lanes"
+        # Several triggers would scale on the busiest one alone unless a scaling modifier adds them up.
+        assert len(spec["triggers"]) == 1 or "scalingModifiers" in spec["advanced"]
         for trigger in spec["triggers"]:
-            assert trigger["type"] == "redis-streams"
+            # Waiting jobs sit in per-account queues, not in the lane's stream: only the gateway's
+            # metrics see them, so a redis-streams trigger would miss the backlog.
+            assert trigger["type"] == "prometheus"
             metadata = trigger["metadata"]
             assert all(isinstance(v, str) for v in metadata.values())  # KEDA's metadata is a map of strings
-            assert int(metadata["streamLength"]) > 0
-            host, port = metadata["address"].rsplit(":", 1)
-            assert host.split(".")[:2] == ["flatfare-redis", "flatfare"]
-            assert int(port) == redis_service["spec"]["ports"][0]["port"]
+            assert float(metadata["threshold"]) > 0
+            assert metadata.get("ignoreNullValues") == "false", "an empty answer is a lost target, not no work"
+            used = _selectors(metadata["query"])
+            assert {name for name, _ in used} == QUEUE_METRICS, metadata["query"]
+            for name, labels in used:
+                assert labels.get("model") == model, f"{name} in {obj['metadata']['name']} must select {model}"
+
+
+def _gateway_samples(monkeypatch: pytest.MonkeyPatch, models: list[str]) -> list[tuple[str, dict[str, str]]]:
+    """The samples of the gateway's /metrics exposition (one process) with every lane of ``models`` queued."""
+    monkeypatch.delenv(MULTIPROC_ENV, raising=False)
+    snapshot = PlatformSnapshot(queues=[QueueDepth(m, lane.value, 3, 2, 1.0) for m in models for lane in Lane])
+    text = exposition(GatewayMetrics(CollectorRegistry()), snapshot).decode()
+    return [(s.name, s.labels) for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def test_queue_queries_select_what_the_gateway_exports(monkeypatch: pytest.MonkeyPatch) -> None:
+    triggers = _queue_triggers()
+    assert triggers
+    samples = _gateway_samples(monkeypatch, sorted({model for model, _ in triggers}))
+    for model, trigger in triggers:
+        query = trigger["metadata"]["query"]
+        for name, matchers in _selectors(query):
+            picked = [labels for sample, labels in samples if sample == name and matchers.items() <= labels.items()]
+            assert picked, f"{name}{matchers} is not in the gateway's /metrics (gateway/metrics.py)"
+            # Every lane of the model is summed, none left out by a lane matcher.
+            assert {labels["lane"] for labels in picked} == {lane.value for lane in Lane}, query
+            assert grouping_labels(query) <= set(picked[0]), f"grouping by a label {name} lacks in {query!r}"
+
+
+def test_promtool_computes_the_workers_a_queue_asks_for(tmp_path: Path) -> None:
+    """Two gateway replicas report the same queue (every replica reads it from Redis): the query counts
+    it once, adds waiting and taken jobs of both lanes, and ignores other models."""
+    need(PROMTOOL, PROMTOOL_MISSING)
+    # (lane, waiting, claimed): 100 jobs in all, so 2 workers at a threshold of 64.
+    queue = [("premium", 3, 2), ("standard", 80, 15)]
+    for model, trigger in _queue_triggers():
+        series = []
+        for instance in ("gateway-a:8000", "gateway-b:8000"):
+            for lane, waiting, claimed in queue:
+                for metric, value in (("flatfare_queue_depth", waiting), ("flatfare_queue_claimed", claimed)):
+                    for name, count in ((model, value), ("another-model", 1000)):
+                        series.append({"series": f'{metric}{{instance="{instance}",job="flatfare-gateway",'
+                                                 f'model="{name}",lane="{lane}"}}', "values": f"{count}x10"})
+        total = sum(w + c for _, w, c in queue)
+        unit_tests = {"rule_files": [], "evaluation_interval": "1m", "tests": [{
+            "interval": "1m", "input_series": series,
+            "promql_expr_test": [{"expr": trigger["metadata"]["query"], "eval_time": "5m",
+                                  "exp_samples": [{"labels": "{}", "value": total}]}]}]}
+        path = tmp_path / f"{model}.test.yml"
+        path.write_text(yaml.safe_dump(unit_tests, sort_keys=False))
+        result = subprocess.run([PROMTOOL, "test", "rules", str(path)], capture_output=True, text=True, timeout=60,
+                                check=False)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert math.ceil(total / float(trigger["metadata"]["threshold"])) == 2
+
+
+def _field(doc: Any, path: str) -> list[Any]:
+    """The values at a kustomize field path (``spec.triggers.*.metadata.serverAddress``); none where the
+    path does not lead (kustomize then fails the build)."""
+    found = [doc]
+    for part in path.split("."):
+        step = []
+        for value in found:
+            if part == "*" and isinstance(value, list):
+                step.extend(value)
+            elif isinstance(value, dict) and part in value:
+                step.append(value[part])
+        found = step
+    return found
+
+
+def test_kustomize_gives_every_scaled_object_the_prometheus_address() -> None:
+    """The address is one setting (config.yaml's flatfare-autoscaling), which kustomization.yaml's
+    replacements copy into every prometheus trigger; the manifests carry the same value for a plain
+    ``kubectl apply -f``."""
+    (replacement,) = [r for r in load_yaml(K8S / "kustomization.yaml")["replacements"]
+                      if r["source"]["name"] == "flatfare-autoscaling"]
+    source = replacement["source"]
+    (config,) = [d for d in _documents(source["kind"]) if d["metadata"]["name"] == source["name"]]
+    # Local config: kustomize reads it and leaves it out of what it applies.
+    assert config["metadata"]["annotations"]["config.kubernetes.io/local-config"] == "true"
+    (address,) = _field(config, source["fieldPath"])
+    assert urlsplit(address).scheme in {"http", "https"} and urlsplit(address).hostname, address
+    for obj, _ in _pools():
+        reached = [value for target in replacement["targets"]
+                   if target["select"].get("kind") == obj["kind"]
+                   and target["select"].get("name", obj["metadata"]["name"]) == obj["metadata"]["name"]
+                   for path in target["fieldPaths"] for value in _field(obj, path)]
+        triggers = [t for t in obj["spec"]["triggers"] if t["type"] == "prometheus"]
+        assert len(reached) == len(triggers), f"the replacement misses a trigger of {obj['metadata']['name']}"
+        assert reached == [address] * len(triggers), "keep the manifest's serverAddress equal to config.yaml's"
 
 
 def _containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
