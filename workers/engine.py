@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flatfare.capabilities import chat_template_path
 from flatfare.contract import Endpoint, error_body
 
 
@@ -57,12 +58,18 @@ def _first_attr(candidates: list[tuple[str, str]]) -> Any:
 
 
 def engine_argv(model_path: str, served_name: str, options: dict[str, Any]) -> list[str]:
-    """Turn catalog engine options into ``vllm serve`` arguments (``max_model_len`` -> ``--max-model-len``)."""
+    """Turn catalog engine options into ``vllm serve`` arguments (``max_model_len`` -> ``--max-model-len``).
+    A named ``chat_template`` becomes the path of the template Flatfare ships under that name."""
     argv = ["--model", model_path, "--served-model-name", served_name]
     for key, value in options.items():
         flag = "--" + key.replace("_", "-")
         if value is None:
             continue
+        if key == "chat_template":
+            try:
+                value = chat_template_path(str(value))
+            except ValueError as exc:
+                raise EngineError(str(exc)) from exc
         if value is False:  # vLLM's boolean engine flags all take a --no- form
             argv.append("--no-" + flag[2:])
         elif value is True:

@@ -12,16 +12,9 @@ from sqlalchemy import func, select
 from flatfare.storage.models import Account, CatalogModel, Plan
 from flatfare.gateway.admin.audit import not_found, page, record, snapshot
 from flatfare.gateway.admin.auth import AdminReader, AdminWriter
-from flatfare.gateway.admin.schemas import (
-    EngineOptions,
-    ModelCreate,
-    ModelPublic,
-    ModelUpdate,
-    Page,
-    PlanCreate,
-    PlanPublic,
-    PlanUpdate,
-)
+from flatfare.gateway.admin.catalog_schemas import ModelCreate, ModelPublic, ModelUpdate
+from flatfare.gateway.admin.model_options import EngineOptions
+from flatfare.gateway.admin.schemas import Page, PlanCreate, PlanPublic, PlanUpdate
 from flatfare.gateway.errors import APIError
 
 router = APIRouter()
@@ -114,7 +107,7 @@ def check_tensor_parallel(source: str, options: EngineOptions | None) -> None:
 
 async def _public(request: Request, model: CatalogModel) -> ModelPublic:
     live = await request.app.state.pools.live_workers(model.name)
-    return ModelPublic.model_validate(model).model_copy(update={"live_workers": len(live)})
+    return ModelPublic.of(model, len(live))
 
 
 @router.get("/models", response_model=Page[ModelPublic])
@@ -149,8 +142,7 @@ async def create_model(request: Request, body: ModelCreate, admin: AdminWriter) 
             raise APIError(409, f"A model named '{body.name}' exists.", param="name", code="model_exists")
         model = CatalogModel(
             name=body.name, source=body.source,
-            engine_options=body.engine_options.as_options() if body.engine_options else {},
-            plans=body.plans, pinned=bool(body.pinned), min_workers=body.min_workers or 0,
+            engine_options=body.options(), plans=body.plans, pinned=bool(body.pinned), min_workers=body.min_workers or 0,
             enabled=True if body.enabled is None else body.enabled)
         session.add(model)
         await session.flush()
@@ -168,8 +160,9 @@ async def update_model(request: Request, name: str, body: ModelUpdate, admin: Ad
         check_tensor_parallel(body.source or model.source, body.engine_options)
         before = snapshot(model)
         changes = body.model_dump(exclude_unset=True)
-        if "engine_options" in changes:
-            changes["engine_options"] = body.engine_options.as_options() if body.engine_options else {}
+        changes.pop("trust_remote_code", None)
+        if "engine_options" in changes or body.trust_remote_code is not None:
+            changes["engine_options"] = body.options(model.engine_options)
         for field, value in changes.items():
             setattr(model, field, value)
         await session.flush()

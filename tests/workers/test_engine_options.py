@@ -44,3 +44,58 @@ def test_a_worker_asked_for_more_gpus_than_it_sees_refuses_to_start(tmp_path) ->
                            '{"tensor_parallel_size": 2}'], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "needs 2 GPUs, but 0 are visible" in done.stderr
+
+
+def test_a_named_chat_template_becomes_the_shipped_file_and_a_path_stays_as_given() -> None:
+    import pytest
+
+    from flatfare.capabilities import CHAT_TEMPLATES_DIR
+    from flatfare.workers.engine import EngineError
+
+    argv = engine_argv("/m", "m", {"chat_template": "chatml-tools", "tool_call_parser": "hermes",
+                                   "enable_auto_tool_choice": True, "limit_mm_per_prompt": {"image": 2},
+                                   "allowed_media_domains": ["a.org", "b.org"], "trust_remote_code": True})
+    joined = " ".join(argv)
+    assert f"--chat-template {CHAT_TEMPLATES_DIR / 'chatml-tools.jinja'}" in joined
+    assert (CHAT_TEMPLATES_DIR / "chatml-tools.jinja").is_file()
+    assert "--tool-call-parser hermes --enable-auto-tool-choice" in joined and "--trust-remote-code" in joined
+    assert '--limit-mm-per-prompt {"image": 2}' in joined and "--allowed-media-domains a.org b.org" in joined
+    assert "--chat-template /srv/t.jinja" in " ".join(engine_argv("/m", "m", {"chat_template": "/srv/t.jinja"}))
+    with pytest.raises(EngineError, match="shipped with Flatfare"):
+        engine_argv("/m", "m", {"chat_template": "{{ messages }}"})
+
+
+def test_every_parser_the_catalog_accepts_is_one_the_installed_vllm_has() -> None:
+    """The admin API validates parser names without vLLM (gateway hosts need not have it): its lists
+    must not name a parser the workers' vLLM lacks."""
+    import pytest
+
+    from flatfare.capabilities import REASONING_PARSERS, TOOL_CALL_PARSERS
+
+    tool_parsers = pytest.importorskip("vllm.tool_parsers")
+    reasoning = pytest.importorskip("vllm.reasoning")
+    assert TOOL_CALL_PARSERS <= set(tool_parsers.ToolParserManager.list_registered())
+    assert REASONING_PARSERS <= set(reasoning.ReasoningParserManager.list_registered())
+
+
+def test_the_shipped_template_renders_tools_calls_and_results_in_the_hermes_format() -> None:
+    import json
+
+    import jinja2
+
+    from flatfare.capabilities import chat_template_path
+
+    template = jinja2.Environment().from_string(open(chat_template_path("chatml-tools")).read())
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    text = template.render(tools=[tool], add_generation_prompt=True, messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
+    ])
+    assert "<tools>\n" + json.dumps(tool, sort_keys=True) + "\n</tools>" in text  # jinja's tojson sorts keys
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert "<|im_start|>user\n<tool_response>\n18 C\n</tool_response><|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    plain = template.render(messages=[{"role": "user", "content": "hi"}], add_generation_prompt=False)
+    assert "<tools>" not in plain and plain.startswith("<|im_start|>system\nYou are a helpful AI assistant")

@@ -1,0 +1,73 @@
+"""Admin wire models of the model catalog: what an operator sends and sees for one model."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator
+
+from flatfare.capabilities import capabilities_of
+from flatfare.gateway.admin.model_options import EngineOptions
+from flatfare.gateway.admin.schemas import ModelName, Name, Timestamp, _In, _Out, _refuse_null
+
+# Stored with the engine options (the flag vLLM takes), but set only through the entry's own field.
+TRUST_REMOTE_CODE = "trust_remote_code"
+
+
+class _ModelFields(_In):
+    source: Annotated[str, Field(min_length=1, max_length=512)] | None = None
+    engine_options: EngineOptions | None = None
+    # Runs the model repository's own Python in the workers (Kimi K2, some DeepSeek and vision
+    # models need it). Off unless an operator turns it on for this entry; engine_options cannot.
+    trust_remote_code: bool | None = None
+    plans: list[Name] | None = None
+    pinned: bool | None = None
+    min_workers: Annotated[int, Field(ge=0, le=1024)] | None = None
+    enabled: bool | None = None
+
+    _not_null = field_validator("source", "pinned", "min_workers", "enabled", "trust_remote_code")(_refuse_null)
+
+    def options(self, current: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The engine options to store: the sent ones (else ``current``'s), with the entry's
+        ``trust_remote_code`` (as sent, else as it was)."""
+        current = current or {}
+        fields = self.model_dump(exclude_unset=True)
+        if "engine_options" in fields:
+            options = self.engine_options.as_options() if self.engine_options else {}
+        else:
+            options = {k: v for k, v in current.items() if k != TRUST_REMOTE_CODE}
+        trust = self.trust_remote_code if "trust_remote_code" in fields else bool(current.get(TRUST_REMOTE_CODE))
+        return {**options, TRUST_REMOTE_CODE: True} if trust else options
+
+
+class ModelCreate(_ModelFields):
+    name: ModelName
+    source: Annotated[str, Field(min_length=1, max_length=512)]
+
+
+class ModelUpdate(_ModelFields):
+    pass
+
+
+class ModelPublic(_Out):
+    name: str
+    source: str
+    engine_options: dict[str, Any]
+    trust_remote_code: bool = False
+    # What the API offers on this model, from its engine options (as /v1/models shows it).
+    capabilities: dict[str, bool] = Field(default_factory=dict)
+    plans: list[str] | None
+    pinned: bool
+    min_workers: int
+    enabled: bool
+    created_at: Timestamp
+    live_workers: int = 0
+
+    @classmethod
+    def of(cls, model: Any, live_workers: int) -> ModelPublic:
+        options = dict(model.engine_options or {})
+        return cls.model_validate(model).model_copy(update={
+            "engine_options": {k: v for k, v in options.items() if k != TRUST_REMOTE_CODE},
+            "trust_remote_code": bool(options.get(TRUST_REMOTE_CODE)),
+            "capabilities": capabilities_of(options).public(),
+            "live_workers": live_workers})
