@@ -142,7 +142,7 @@ def accounts_create(name: str, plan: str = "free") -> None:
 
 @accounts_app.command("update")
 def accounts_update(account_id: int, fields: SetOption = None) -> None:
-    """e.g. `--set plan=enterprise --set daily_limit_override=20000`."""
+    """e.g. `--set plan=enterprise --set daily_limit_override=20000 --set max_inflight_override=256`."""
     _call("PATCH", f"/accounts/{account_id}", _fields(fields))
 
 
@@ -167,16 +167,19 @@ def keys_create(account_id: int, name: str = "",
                 model: Annotated[list[str] | None, typer.Option(
                     help="A model the key may use (repeat for more); without any, the plan decides.")] = None,
                 daily_limit: Annotated[int | None, typer.Option(
-                    min=1, help="Requests the key may make a day, within the account's limit.")] = None) -> None:
+                    min=1, help="Requests the key may make a day, within the account's limit.")] = None,
+                max_inflight: Annotated[int | None, typer.Option(
+                    min=1, max=100_000, help="Requests of the key queued or running at once; the account's cap "
+                    "binds too (the lower one refuses).")] = None) -> None:
     body: dict[str, Any] = {"name": name, "expires_at": expires, "allowed_models": model or None,
-                            "daily_limit": daily_limit}
+                            "daily_limit": daily_limit, "max_inflight": max_inflight}
     _call("POST", f"/accounts/{account_id}/keys", body)
 
 
 @keys_app.command("update")
 def keys_update(key_id: int, fields: SetOption = None) -> None:
-    """Change a key, e.g. `--set daily_limit=500 --set 'allowed_models=["m1"]'`; `--set daily_limit=null`
-    clears a limit (the account's, the plan's models, no expiry)."""
+    """Change a key, e.g. `--set daily_limit=500 --set max_inflight=4 --set 'allowed_models=["m1"]'`;
+    `--set daily_limit=null` clears a limit (the account's, the plan's models, no expiry)."""
     _call("PATCH", f"/keys/{key_id}", _fields(fields))
 
 

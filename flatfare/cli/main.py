@@ -149,6 +149,9 @@ ModelOption = Annotated[list[str] | None, typer.Option(
     "--model", help="A model the key may use (repeat for more); without any, the plan decides.")]
 DailyLimitOption = Annotated[int | None, typer.Option(
     "--daily-limit", min=1, help="Requests the key may make a day, within the account's limit.")]
+MaxInflightOption = Annotated[int | None, typer.Option(
+    "--max-inflight", min=1, max=100_000, help="Requests of the key queued or running at once; the account's "
+    "cap binds too (the lower one refuses).")]
 
 
 @keys_app.command("create")
@@ -159,12 +162,13 @@ def keys_create(
     expires: ExpiresOption = None,
     model: ModelOption = None,
     daily_limit: DailyLimitOption = None,
+    max_inflight: MaxInflightOption = None,
 ) -> None:
     """Create an API key and print it, alone, on stdout."""
     from flatfare.storage.accounts import AccountError, KeyLimitsUpdate, create_key
 
     limits = KeyLimitsUpdate(expires_at=_expiry(expires) if expires else None, allowed_models=_models(model),
-                             daily_limit=daily_limit)
+                             daily_limit=daily_limit, max_inflight=max_inflight)
     try:
         secret = asyncio.run(create_key(CommonSettings().resolved_database_url, account, plan, name, limits))
     except AccountError as exc:
@@ -182,26 +186,32 @@ def keys_update(
     all_models: Annotated[bool, typer.Option("--all-models", help="Drop the key's model list.")] = False,
     daily_limit: DailyLimitOption = None,
     no_daily_limit: Annotated[bool, typer.Option("--no-daily-limit", help="Only the account's limit.")] = False,
+    max_inflight: MaxInflightOption = None,
+    no_max_inflight: Annotated[bool, typer.Option("--no-max-inflight", help="Only the account's cap.")] = False,
 ) -> None:
-    """Change a key's name, expiry, models or daily limit (what is not given stays); prints the key."""
+    """Change a key's name, expiry, models, daily limit or in-flight cap (what is not given stays); prints
+    the key."""
     from flatfare.storage.accounts import UNSET, AccountError, KeyLimitsUpdate, update_key
 
     for given, cleared, option in ((expires, no_expiry, "--expires"), (model, all_models, "--model"),
-                                   (daily_limit, no_daily_limit, "--daily-limit")):
+                                   (daily_limit, no_daily_limit, "--daily-limit"),
+                                   (max_inflight, no_max_inflight, "--max-inflight")):
         if given and cleared:
             _fail(f"{option} and its clearing option contradict each other; give one")
     limits = KeyLimitsUpdate(
         name=UNSET if name is None else name,
         expires_at=None if no_expiry else (_expiry(expires) if expires else UNSET),
         allowed_models=None if all_models else (_models(model) or UNSET),
-        daily_limit=None if no_daily_limit else (UNSET if daily_limit is None else daily_limit))
+        daily_limit=None if no_daily_limit else (UNSET if daily_limit is None else daily_limit),
+        max_inflight=None if no_max_inflight else (UNSET if max_inflight is None else max_inflight))
     try:
         row = asyncio.run(update_key(CommonSettings().resolved_database_url, key, limits))
     except AccountError as exc:
         _fail(str(exc))
     typer.echo(json.dumps({"id": row.id, "account_id": row.account_id, "name": row.name, "prefix": row.prefix,
                            "expires_at": row.expires_at.isoformat() if row.expires_at else None,
-                           "allowed_models": row.allowed_models, "daily_limit": row.daily_limit}, indent=2))
+                           "allowed_models": row.allowed_models, "daily_limit": row.daily_limit,
+                           "max_inflight": row.max_inflight}, indent=2))
 
 
 def _expiry(text: str) -> datetime:

@@ -77,6 +77,7 @@ async def create_account(request: Request, body: AccountCreate, admin: AdminWrit
         account.daily_limit_override = body.daily_limit_override
         account.unlimited = body.unlimited
         account.dedicated_pool = body.dedicated_pool
+        account.max_inflight_override = body.max_inflight_override
         await session.flush()
         await session.refresh(account)
         record(session, admin, "account.create", "account", account.id, None, snapshot(account))
@@ -125,7 +126,7 @@ async def create_key(request: Request, account_id: RowId, body: KeyCreate, admin
         if account is None:
             raise not_found("account", account_id)
         limits = KeyLimitsUpdate(expires_at=body.expires_at, allowed_models=body.allowed_models,
-                                 daily_limit=body.daily_limit)
+                                 daily_limit=body.daily_limit, max_inflight=body.max_inflight)
         issued = await issue_key(session, account, body.name, limits)
         key = await session.get(ApiKey, issued.key_id)
         await session.refresh(key)
@@ -135,7 +136,7 @@ async def create_key(request: Request, account_id: RowId, body: KeyCreate, admin
 
 @router.patch("/keys/{key_id}", response_model=KeyPublic)
 async def update_key(request: Request, key_id: RowId, body: KeyUpdate, admin: AdminWriter) -> ApiKey:
-    """Rename a key, set or clear its expiry, its model list and its daily cap; every gateway process
+    """Rename a key, set or clear its expiry, its model list, its daily and in-flight caps; every gateway process
     applies the change within its auth cache's lifetime (< 1 s)."""
     async with request.app.state.sessions() as session, session.begin():
         key = await session.get(ApiKey, key_id, with_for_update=True)
@@ -179,7 +180,8 @@ async def rotate_key(request: Request, key_id: RowId, body: KeyRotate, admin: Ad
         account = await session.get(Account, old.account_id)
         # The new key keeps the old one's limits: a rotation must not widen what the key may do.
         issued = await issue_key(session, account, body.name if body.name is not None else old.name,
-                                 KeyLimitsUpdate(allowed_models=old.allowed_models, daily_limit=old.daily_limit))
+                                 KeyLimitsUpdate(allowed_models=old.allowed_models, daily_limit=old.daily_limit,
+                                                 max_inflight=old.max_inflight))
         new = await session.get(ApiKey, issued.key_id)
         await session.refresh(new)
         record(session, admin, "key.rotate", "key", key_id, before, {**snapshot(old), "replaced_by": new.id})

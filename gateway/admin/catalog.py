@@ -48,8 +48,8 @@ async def get_plan(request: Request, name: str, _: AdminReader) -> Plan:
 @router.post("/plans", response_model=PlanPublic, status_code=201)
 async def create_plan(request: Request, body: PlanCreate, admin: AdminWriter) -> Plan:
     defaults = {"daily_limit": None, "price_per_request_micros": 0, "monthly_price_cents": 0, "lane": "standard",
-                "max_n": 1, "max_body_bytes": 1_048_576, "max_prompt_tokens": None, "timezone": "UTC",
-                "retired": False}
+                "max_n": 1, "max_body_bytes": 1_048_576, "max_prompt_tokens": None, "max_inflight": None,
+                "timezone": "UTC", "retired": False}
     async with request.app.state.sessions() as session, session.begin():
         if await session.get(Plan, body.name) is not None:
             raise APIError(409, f"A plan named '{body.name}' exists.", param="name", code="plan_exists")

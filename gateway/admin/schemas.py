@@ -20,6 +20,10 @@ _INT = Annotated[int, Field(ge=0, le=2**31 - 1)]
 _BIGINT = Annotated[int, Field(ge=0, le=2**63 - 1)]
 
 
+# Requests in flight (queued or running) at once, for a plan, an account or a key; null: no cap of its own.
+MaxInflight = Annotated[int, Field(ge=1, le=100_000)]
+
+
 # Every timestamp leaves with its offset, as the schema's date-time format (RFC 3339) requires, and
 # one a client sends without a zone is taken as UTC.
 Timestamp = Annotated[datetime, AfterValidator(as_utc)]
@@ -62,6 +66,8 @@ class _PlanFields(_In):
     max_body_bytes: Annotated[int, Field(ge=1024, le=64 * 1024 * 1024)] | None = None
     # Input tokens per request; null: only the model's context bounds it.
     max_prompt_tokens: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
+    # Requests an account on the plan may have in flight; null: no cap.
+    max_inflight: MaxInflight | None = None
     timezone: str | None = None
     trial_days: Annotated[int, Field(ge=1, le=365)] | None = None
     retired: bool | None = None
@@ -101,6 +107,7 @@ class PlanPublic(_Out):
     max_n: int
     max_body_bytes: int
     max_prompt_tokens: int | None
+    max_inflight: int | None
     timezone: str
     trial_days: int | None
     retired: bool
@@ -177,6 +184,8 @@ class AccountCreate(_In):
     daily_limit_override: _INT | None = None
     unlimited: bool = False
     dedicated_pool: Annotated[str, Field(max_length=128)] | None = None
+    # Replaces the plan's max_inflight for this account; null: the plan's.
+    max_inflight_override: MaxInflight | None = None
 
 
 class AccountUpdate(_In):
@@ -186,6 +195,7 @@ class AccountUpdate(_In):
     daily_limit_override: _INT | None = None
     unlimited: bool | None = None
     dedicated_pool: Annotated[str, Field(max_length=128)] | None = None
+    max_inflight_override: MaxInflight | None = None
 
     _not_null = field_validator("name", "plan", "status", "unlimited")(_refuse_null)
 
@@ -200,6 +210,7 @@ class AccountPublic(_Out):
     daily_limit_override: int | None
     unlimited: bool
     dedicated_pool: str | None
+    max_inflight_override: int | None
     stripe_customer_id: str | None
     subscription_status: str | None
 
@@ -213,11 +224,13 @@ KeyDailyLimit = Annotated[int, Field(ge=1, le=2**31 - 1)]
 
 class _KeyLimits(_In):
     """Per-key limits within the account's plan: null leaves each to the plan (models), the account
-    (daily limit), or never (expiry)."""
+    (daily limit, requests in flight), or never (expiry)."""
 
     expires_at: Timestamp | None = None
     allowed_models: KeyModels | None = None
     daily_limit: KeyDailyLimit | None = None
+    # Above the account's cap it never binds: the account's is checked too, and the lower one refuses.
+    max_inflight: MaxInflight | None = None
 
     @field_validator("allowed_models")
     @classmethod
@@ -253,6 +266,7 @@ class KeyPublic(_Out):
     expires_at: Timestamp | None
     allowed_models: list[str] | None
     daily_limit: int | None
+    max_inflight: int | None
 
 
 class KeyCreated(KeyPublic):

@@ -156,6 +156,10 @@ def test_an_edited_prompt_cap_takes_effect(astack, admin) -> None:
         ("/plans/pro", {"lane": "fast"}, "lane"),
         ("/plans/pro", {"max_prompt_tokens": 0}, "max_prompt_tokens"),
         ("/plans/pro", {"max_prompt_tokens": 10_000_001}, "max_prompt_tokens"),
+        ("/plans/pro", {"max_inflight": 0}, "max_inflight"),
+        ("/plans/pro", {"max_inflight": 100_001}, "max_inflight"),
+        ("/accounts/1", {"max_inflight_override": 0}, "max_inflight_override"),
+        ("/accounts/1", {"max_inflight_override": 100_001}, "max_inflight_override"),
         ("/models/smollm2-135m-instruct", {"engine_options": {"quantization": "magic"}},
          "engine_options.quantization"),
         ("/models/smollm2-135m-instruct", {"engine_options": {"tensor_parallel_size": 0}},
@@ -478,3 +482,92 @@ def test_both_clis_set_and_change_key_limits(astack, admin) -> None:
         ("local-2", None, 6, None)
     assert astack.cli("keys", "update", secret[:11], "--daily-limit", "0").returncode != 0
     assert astack.cli("keys", "update", "ff-nosuchk").returncode == 2
+
+
+def test_in_flight_caps_are_data_set_changed_cleared_and_audited(astack, admin) -> None:
+    plans = {p["name"]: p["max_inflight"] for p in admin.get("/plans").json()["data"]}
+    assert {name: plans[name] for name in ("free", "trial", "pro", "premium", "enterprise")} == \
+        {"free": 4, "trial": 16, "pro": 16, "premium": 64, "enterprise": None}  # seeded
+    created = admin.post("/plans", json={"name": "bounded", "display_name": "Bounded", "max_inflight": 8})
+    assert created.status_code == 201 and created.json()["max_inflight"] == 8, created.text
+    assert admin.post("/plans", json={"name": "open", "display_name": "Open"}).json()["max_inflight"] is None
+    assert admin.patch("/plans/bounded", json={"max_inflight": 12}).json()["max_inflight"] == 12
+    assert admin.patch("/plans/bounded", json={"max_inflight": None}).json()["max_inflight"] is None
+    assert admin.post("/plans", json={"name": "zero", "display_name": "Zero", "max_inflight": 0}).status_code == 422
+
+    account = admin.post("/accounts", json={"name": "fair", "plan": "pro", "max_inflight_override": 3})
+    assert account.status_code == 201 and account.json()["max_inflight_override"] == 3, account.text
+    account = account.json()
+    assert admin.patch(f"/accounts/{account['id']}", json={"max_inflight_override": 5}).json()[
+        "max_inflight_override"] == 5
+    entries = admin.get("/audit", params={"resource_type": "account", "resource_id": str(account["id"])}).json()
+    assert (entries["data"][0]["before"]["max_inflight_override"],
+            entries["data"][0]["after"]["max_inflight_override"]) == (3, 5)
+
+    key = admin.post(f"/accounts/{account['id']}/keys", json={"name": "batch", "max_inflight": 2})
+    assert key.status_code == 201 and key.json()["max_inflight"] == 2, key.text
+    key = key.json()
+    # Above the account's cap is allowed (the lower one binds); out of range, or not a number, is not.
+    assert admin.patch(f"/keys/{key['id']}", json={"max_inflight": 50}).json()["max_inflight"] == 50
+    for value in (0, -1, 100_001, "many"):
+        refused = admin.patch(f"/keys/{key['id']}", json={"max_inflight": value})
+        assert refused.status_code == 422 and refused.json()["error"]["param"] == "max_inflight", refused.text
+    assert admin.post(f"/accounts/{account['id']}/keys", json={"max_inflight": 0}).status_code == 422
+    renamed = admin.patch(f"/keys/{key['id']}", json={"name": "batch-2"}).json()
+    assert renamed["max_inflight"] == 50  # left out: kept
+    entries = admin.get("/audit", params={"resource_type": "key", "resource_id": str(key["id"])}).json()["data"]
+    assert [e["action"] for e in entries] == ["key.update", "key.update", "key.create"]
+    assert (entries[1]["before"]["max_inflight"], entries[1]["after"]["max_inflight"]) == (2, 50)
+    assert admin.get(f"/accounts/{account['id']}/keys").json()["data"][0]["max_inflight"] == 50
+    # A rotation must not widen what the key may do.
+    rotated = admin.post(f"/keys/{key['id']}/rotate", json={"grace_seconds": 60}).json()
+    assert rotated["max_inflight"] == 50
+
+    # /v1/usage shows both caps and what is in flight now, on every gateway process once its caches expired.
+    cleared = admin.patch(f"/keys/{rotated['id']}", json={"max_inflight": None}).json()
+    assert cleared["max_inflight"] is None
+    for base in (astack.base_url, astack.second_url):
+        usage = eventually(lambda base=base: httpx.get(f"{base}/v1/usage", headers=_auth(rotated["key"])).json(),
+                           lambda u: u["max_inflight"] == 5, f"the account's override in /v1/usage at {base}")
+        by_key = {k["id"]: k for k in usage["today"]["keys"]}
+        assert usage["inflight"] == 0
+        assert (by_key[key["id"]]["max_inflight"], by_key[key["id"]]["inflight"]) == (50, 0)
+        assert (by_key[rotated["id"]]["max_inflight"], by_key[rotated["id"]]["inflight"]) == (None, 0)
+    admin.patch(f"/accounts/{account['id']}", json={"max_inflight_override": None})
+    eventually(lambda: httpx.get(f"{astack.base_url}/v1/usage", headers=_auth(rotated["key"])).json(),
+               lambda u: u["max_inflight"] == 16, "the plan's cap once the override is cleared")
+
+
+def test_both_clis_set_and_change_a_keys_in_flight_cap(astack, admin) -> None:
+    astack.env.update({"FLATFARE_ADMIN_URL": astack.base_url, "FLATFARE_ADMIN_TOKEN": astack.admin_token})
+    account = admin.post("/accounts", json={"name": "cli-inflight", "plan": "pro"}).json()
+    out = astack.cli("admin", "keys", "create", str(account["id"]), "--name", "remote", "--max-inflight", "3")
+    assert out.returncode == 0, out.stderr
+    remote = json.loads(out.stdout)
+    assert remote["max_inflight"] == 3
+    out = astack.cli("admin", "keys", "update", str(remote["id"]), "--set", "max_inflight=7")
+    assert out.returncode == 0 and json.loads(out.stdout)["max_inflight"] == 7, out.stderr
+    out = astack.cli("admin", "keys", "update", str(remote["id"]), "--set", "max_inflight=null")
+    assert out.returncode == 0 and json.loads(out.stdout)["max_inflight"] is None, out.stderr
+    refused = astack.cli("admin", "keys", "update", str(remote["id"]), "--set", "max_inflight=0")
+    assert refused.returncode == 1 and "error 422" in refused.stderr
+    assert astack.cli("admin", "keys", "create", str(account["id"]), "--max-inflight", "0").returncode == 2
+    out = astack.cli("admin", "accounts", "update", str(account["id"]), "--set", "max_inflight_override=9")
+    assert out.returncode == 0 and json.loads(out.stdout)["max_inflight_override"] == 9, out.stderr
+    # The local CLI writes the database directly.
+    out = astack.cli("keys", "create", "--account", "cli-inflight", "--name", "local", "--max-inflight", "2")
+    assert out.returncode == 0, out.stderr
+    secret = out.stdout.strip()
+    local = next(k for k in admin.get(f"/accounts/{account['id']}/keys").json()["data"] if k["name"] == "local")
+    assert local["max_inflight"] == 2
+    out = astack.cli("keys", "update", secret[:11], "--max-inflight", "6")
+    assert out.returncode == 0 and json.loads(out.stdout)["max_inflight"] == 6, out.stderr
+    out = astack.cli("keys", "update", str(local["id"]), "--name", "local-2")
+    assert out.returncode == 0 and json.loads(out.stdout)["max_inflight"] == 6, out.stderr  # not given: kept
+    out = astack.cli("keys", "update", str(local["id"]), "--no-max-inflight")
+    assert out.returncode == 0 and json.loads(out.stdout)["max_inflight"] is None, out.stderr
+    assert astack.cli("keys", "update", str(local["id"]), "--max-inflight", "0").returncode != 0
+    contradiction = astack.cli("keys", "update", str(local["id"]), "--max-inflight", "3", "--no-max-inflight")
+    assert contradiction.returncode != 0 and "--max-inflight" in contradiction.stderr
+    assert next(k for k in admin.get(f"/accounts/{account['id']}/keys").json()["data"]
+                if k["id"] == local["id"])["max_inflight"] is None
