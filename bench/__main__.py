@@ -13,7 +13,8 @@ COMMANDS = {
     "profile": ("bench.profile", "py-spy profiles of the gateway and worker under the overhead load (~1 min)"),
     "faults": ("bench.faults", "kill, stop and break the platform's parts under load: lost, charged twice, "
                "counters vs ledger vs outbox (~16 min, 8 of them the real CPU engine's row)"),
-    "scheduling": ("bench.scheduling", "premium vs standard TTFT at 2x overload; prefix routing vs sharing (~10 min)"),
+    "scheduling": ("bench.scheduling", "premium TTFT under others' 2x overload, a noisy neighbour's flood against "
+                   "nine accounts, prefix routing vs sharing (~12 min)"),
     "scale": ("bench.scale", "requests/s for 1, 2, 4 worker hosts, hosts as network namespaces; needs root (~3 min)"),
 }
 

@@ -1,15 +1,29 @@
-"""Benchmark: the priority lane under 2x overload, and prefix-aware routing against plain sharing.
+"""Benchmark: what Premium and fair shares sell, under overload caused by others; prefix-aware routing.
 
-1. **Lanes.** One CPU worker (the real engine, the default model) holding ``--capacity`` jobs; as
-   many premium as standard closed-loop clients, together twice its capacity. Time to first token
-   per lane, with Flatfare's lanes on, against the same load when every client is standard (what a
-   gateway without lanes does).
-2. **Prefix routing.** Two CPU workers; ``--documents`` long shared system prompts, each asked
+One CPU worker (the real engine, the default model) holding ``--capacity`` jobs serves parts 1 and 2;
+its capacity in requests/s is measured first (``--capacity`` closed-loop clients). Every client group
+has accounts of its own, made through the admin API, and sends streaming chat requests (``ignore_eos``,
+``--max-tokens``); time to first token (TTFT) is when the first chunk arrives, the time to a
+refusal is until its whole 429 answer is read, both in this process (aiohttp).
+
+1. **Premium under overload caused by others.** ``--premium-accounts`` premium accounts send
+   open-loop (Poisson) at ``--premium-share`` of the capacity, first on an idle platform, then
+   while ``--standard-accounts`` pro accounts send open-loop at ``--overload`` x the capacity: the
+   same premium requests at the same moments both times. Goals (issue 19): premium TTFT p50 and
+   p99 within 1.2x of idle, no premium 429, standard's excess refused with 429 + Retry-After in
+   under 5 ms (p99).
+2. **Noisy neighbour.** ``--neighbours`` pro accounts send open-loop at ``--neighbours-share`` of
+   the capacity together, alone, then beside one pro account flooding with ``--flood-clients``
+   closed-loop clients (each sends again as soon as it is answered, and waits the Retry-After of a
+   refusal, as OpenAI's SDK does). Goals: the neighbours' TTFT p99 within 1.5x of the run without
+   the flood; 429s go to the flooder, not to them.
+3. **Prefix routing.** Two CPU workers; ``--documents`` long shared system prompts, each asked
    ``--questions`` different questions, in a shuffled order. Time to first token and throughput
    with prefix-aware routing on, then off (plain sharing through the lane).
 
-Both use the streaming chat endpoint, ``ignore_eos`` and a fixed ``max_tokens``; the client is
-``aiohttp`` in this process (it measures when the first content chunk arrives).
+In parts 1 and 2 the load beside the measured group (standard, the flood) starts ``--settle``
+seconds before the measured window, runs until every measured request is answered, and is then cut
+off (its open requests closed: their jobs are cancelled); the platform is idle before each run.
 """
 
 from __future__ import annotations
@@ -18,39 +32,197 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
+import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from bench import report
+from bench import report, scheduling_report
 from bench.procs import services
-from bench.stack import FlatfareStack
+from bench.stack import FlatfareStack, http_get, http_post
+from bench.traffic import Group, GroupSummary, Request, RunResult, percentile
+from bench.traffic import run as run_traffic
 
 MODEL = "smollm2-135m-instruct"
 WORDS = ("river mountain ledger quota lane worker prefix cache token stream gateway batch engine "
          "premium standard request answer window budget invoice model kernel").split()
+STANDARD_PLAN = "pro"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--capacity", type=int, default=8, help="jobs the lanes worker holds at once")
-    parser.add_argument("--duration", type=float, default=40.0, help="seconds of load per lanes run")
+    parser.add_argument("--capacity", type=int, default=8, help="jobs the worker of parts 1 and 2 holds at once")
+    parser.add_argument("--duration", type=float, default=45.0, help="seconds of measured load per run")
+    parser.add_argument("--settle", type=float, default=10.0, help="seconds the background load runs first")
+    parser.add_argument("--calibrate", type=float, default=20.0, help="seconds of the capacity measurement")
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--premium-accounts", type=int, default=3)
+    parser.add_argument("--premium-share", type=float, default=0.15, help="premium load, fraction of capacity")
+    parser.add_argument("--standard-accounts", type=int, default=4)
+    parser.add_argument("--overload", type=float, default=2.0, help="standard load, multiple of capacity")
+    parser.add_argument("--neighbours", type=int, default=9)
+    parser.add_argument("--neighbours-share", type=float, default=0.45, help="the neighbours' load together")
+    parser.add_argument("--flood-clients", type=int, default=100)
+    parser.add_argument("--premium-reserve", type=int, default=None,
+                        help="the worker's FLATFARE_PREMIUM_RESERVE (default: the worker's own default)")
+    parser.add_argument("--seed", type=int, default=19)
     parser.add_argument("--documents", type=int, default=16, help="distinct shared prompts (routing bench)")
     parser.add_argument("--questions", type=int, default=4, help="questions per shared prompt")
     parser.add_argument("--document-words", type=int, default=300)
     parser.add_argument("--routing-concurrency", type=int, default=4)
-    parser.add_argument("--parts", nargs="+", default=["lanes", "routing"], choices=["lanes", "routing"])
+    parser.add_argument("--routing-rounds", type=int, default=2, help="prefix routing, then plain sharing, n times")
+    parser.add_argument("--parts", nargs="+", default=["premium", "noisy", "routing"],
+                        choices=["premium", "noisy", "routing"])
     parser.add_argument("--quick", action="store_true", help="smoke run: short durations, few documents")
     parser.add_argument("--out", type=Path, default=report.RESULTS_DIR)
 
 
-async def _ttft(session: aiohttp.ClientSession, url: str, key: str, messages: list[dict[str, str]],
-                max_tokens: int) -> tuple[float | None, float, int]:
-    """(time to first content chunk, total time, HTTP status) of one streaming chat request."""
+# -- the platform --------------------------------------------------------------------------------
+
+@dataclass
+class Admin:
+    """The bench platform's admin API: accounts of a plan, each with one key."""
+
+    base_url: str
+    token: str
+
+    @classmethod
+    def bootstrap(cls, stack: FlatfareStack) -> Admin:
+        done = subprocess.run(stack._flatfare("admin", "bootstrap"), env=stack.env(), check=True,
+                              capture_output=True, text=True, cwd=stack.workdir)
+        return cls(f"{stack.base_url}/admin/v1", done.stdout.strip().splitlines()[-1])
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        status, raw = http_post(f"{self.base_url}{path}", self.token, body)
+        if status != 201:
+            raise RuntimeError(f"POST {path}: {status} {raw[:300]!r}")
+        return json.loads(raw)
+
+    def keys(self, prefix: str, plan: str, count: int) -> tuple[str, ...]:
+        """``count`` new accounts ``{prefix}-{i}`` on ``plan``: one key each."""
+        found = []
+        for i in range(count):
+            account = self._post("/accounts", {"name": f"{prefix}-{i}", "plan": plan})
+            found.append(self._post(f"/accounts/{account['id']}/keys", {"name": prefix})["key"])
+        return tuple(found)
+
+    def plans(self) -> dict[str, dict[str, Any]]:
+        status, raw = http_get(f"{self.base_url}/plans?limit=200", self.token)
+        return {p["name"]: p for p in json.loads(raw)["data"]} if status == 200 else {}
+
+
+def _say(text: str) -> None:
+    print(f"[scheduling {time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def _wait_idle(stack: FlatfareStack, timeout_s: float = 300) -> None:
+    """Until the worker holds no job: the next run starts on a quiet platform."""
+    import redis as redis_py
+
+    from flatfare import contract
+
+    client = redis_py.Redis.from_url(stack.redis.url)  # type: ignore[union-attr]
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            ids = client.zrange(contract.pool_key(MODEL), 0, -1)
+            busy = sum(int(client.hget(contract.worker_key(i.decode()), "inflight") or 0) for i in ids)
+            if busy == 0:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the worker still holds {busy} jobs after {timeout_s:.0f} s")
+            time.sleep(0.5)
+    finally:
+        client.close()
+    time.sleep(2.0)  # the heartbeat that said 0 may be a second old
+
+
+@dataclass
+class Run:
+    """One measured run of a scenario: its name, its groups and what they got."""
+
+    scenario: str
+    name: str
+    groups: list[Group]
+    result: RunResult
+
+    def summary(self, group: str) -> GroupSummary:
+        return GroupSummary.of(self.result.of(group))
+
+
+def scenarios(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Any], list[Run]]:
+    """Parts 1 and 2 on one platform; the capacity measured, and every run."""
+    options = json.dumps({"enforce_eager": True, "dtype": "float32"})
+    extra_env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    if args.premium_reserve is not None:
+        extra_env["FLATFARE_PREMIUM_RESERVE"] = str(args.premium_reserve)
+    runs: list[Run] = []
+    with services() as running:
+        stack = FlatfareStack(running, workdir / "scenarios", MODEL,
+                              worker_args=["--engine-options", options, "--max-inflight", str(args.capacity)],
+                              extra_env=extra_env)
+        try:
+            stack.start_storage()
+            stack.start_worker()
+            stack.start_gateway(ready_timeout_s=900)
+            _say("the platform is up")
+            admin = Admin.bootstrap(stack)
+            request = Request(f"{stack.base_url}/v1/chat/completions", MODEL, args.max_tokens)
+
+            def measure(scenario: str, name: str, groups: list[Group], duration_s: float,
+                        settle_s: float = 0.0) -> RunResult:
+                _wait_idle(stack)
+                _say(f"{scenario}: {name} ({duration_s:.0f} s)")
+                result = run_traffic(request, groups, duration_s, settle_s, args.seed)
+                runs.append(Run(scenario, name, groups, result))
+                return result
+
+            # The capacity: what the worker completes at its slots' worth of clients (the bench
+            # account is enterprise: the premium lane, every slot). A short run first warms the engine.
+            bench = (stack.key,)
+            measure("capacity", "warm-up", [Group("warm-up", bench, clients=args.capacity)], 5.0)
+            runs.pop()
+            calibration = measure("capacity", "calibration", [Group("calibration", bench, clients=args.capacity)],
+                                  args.calibrate)
+            done = [o for o in calibration.of("calibration")
+                    if o.status == 200 and not o.code and o.sent_s + o.total_s <= args.calibrate]
+            capacity_rps = len(done) / args.calibrate
+            if capacity_rps <= 0:
+                raise RuntimeError("the capacity run completed no request")
+            ttfts = [o.ttft_s for o in done if o.ttft_s is not None]
+            capacity = {"slots": args.capacity, "req_per_s": capacity_rps,
+                        "ttft_p50_ms": (percentile(ttfts, 50) or 0) * 1000,
+                        "ttft_p99_ms": (percentile(ttfts, 99) or 0) * 1000, "plans": admin.plans()}
+
+            if "premium" in args.parts:
+                premium = Group("premium", admin.keys("premium", "premium", args.premium_accounts),
+                                rate=args.premium_share * capacity_rps)
+                standard = Group("standard", admin.keys("standard", STANDARD_PLAN, args.standard_accounts),
+                                 rate=args.overload * capacity_rps, measured=False)
+                measure("premium", "idle platform", [premium], args.duration)
+                measure("premium", f"standard at {args.overload:g}x capacity", [standard, premium], args.duration,
+                        args.settle)
+            if "noisy" in args.parts:
+                neighbours = Group("neighbours", admin.keys("neighbour", STANDARD_PLAN, args.neighbours),
+                                   rate=args.neighbours_share * capacity_rps)
+                flooder = Group("flooder", admin.keys("flooder", STANDARD_PLAN, 1), clients=args.flood_clients,
+                                measured=False)
+                measure("noisy", "without the flood", [neighbours], args.duration)
+                measure("noisy", f"beside a {args.flood_clients}-client flood", [flooder, neighbours],
+                        args.duration, args.settle)
+        finally:
+            stack.stop()
+    return capacity, runs
+
+
+# -- prefix routing (part 3) -----------------------------------------------------------------------
+
+async def _first_chunk(session: aiohttp.ClientSession, url: str, key: str, messages: list[dict[str, str]],
+                       max_tokens: int) -> tuple[float | None, int]:
+    """(time to the first chunk, HTTP status) of one streaming chat request."""
     body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
             "temperature": 0}
     started = time.perf_counter()
@@ -58,72 +230,11 @@ async def _ttft(session: aiohttp.ClientSession, url: str, key: str, messages: li
     async with session.post(url, json=body, headers={"Authorization": f"Bearer {key}"}) as response:
         if response.status != 200:
             await response.read()
-            return None, time.perf_counter() - started, response.status
+            return None, response.status
         async for line in response.content:
-            if first is None and line.startswith(b"data: {") and b'"content":"' in line:
+            if first is None and line.startswith(b"data: {"):
                 first = time.perf_counter() - started
-    return first, time.perf_counter() - started, 200
-
-
-def _pcts(values: list[float]) -> tuple[float | None, float | None]:
-    if not values:
-        return None, None
-    ordered = sorted(values)
-    return statistics.median(ordered) * 1000, ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1000
-
-
-async def _closed_loop(url: str, keys: dict[str, str], clients: dict[str, int], duration_s: float,
-                       max_tokens: int) -> dict[str, list[float]]:
-    """``clients[name]`` clients per group, each sending one request after another for ``duration_s``."""
-    ttfts: dict[str, list[float]] = {name: [] for name in clients}
-    deadline = time.perf_counter() + duration_s
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
-                                     connector=aiohttp.TCPConnector(limit=0)) as session:
-        async def client(name: str, index: int) -> None:
-            n = 0
-            while time.perf_counter() < deadline:
-                n += 1
-                messages = [{"role": "user", "content": f"Client {name}-{index}, request {n}: say something."}]
-                first, _, status = await _ttft(session, url, keys[name], messages, max_tokens)
-                if status == 200 and first is not None:
-                    ttfts[name].append(first)
-
-        await asyncio.gather(*(client(name, i) for name, count in clients.items() for i in range(count)))
-    return ttfts
-
-
-def _key(stack: FlatfareStack, account: str, plan: str) -> str:
-    import subprocess
-
-    done = subprocess.run(stack._flatfare("keys", "create", "--account", account, "--plan", plan), env=stack.env(),
-                          check=True, capture_output=True, text=True, cwd=stack.workdir)
-    return done.stdout.strip().splitlines()[-1]
-
-
-def lanes(args: argparse.Namespace, workdir: Path) -> list[list[Any]]:
-    rows: list[list[Any]] = []
-    options = json.dumps({"enforce_eager": True, "dtype": "float32"})
-    with services() as running:
-        stack = FlatfareStack(running, workdir / "lanes", MODEL,
-                              worker_args=["--engine-options", options, "--max-inflight", str(args.capacity)],
-                              extra_env={"VLLM_CPU_KVCACHE_SPACE": "1"})
-        try:
-            stack.start_storage()
-            stack.start_worker()
-            stack.start_gateway(ready_timeout_s=900)
-            keys = {"premium": _key(stack, "bench-premium", "premium"), "standard": _key(stack, "bench-std", "pro")}
-            url = f"{stack.base_url}/v1/chat/completions"
-            half = args.capacity  # premium + standard clients = 2 x capacity
-            for mode in ("lanes on", "no lanes"):
-                group_keys = keys if mode == "lanes on" else {"premium": keys["standard"], "standard": keys["standard"]}
-                ttfts = asyncio.run(_closed_loop(url, group_keys, {"premium": half, "standard": half},
-                                                 args.duration, args.max_tokens))
-                for group in ("premium", "standard"):
-                    p50, p99 = _pcts(ttfts[group])
-                    rows.append([mode, group, half, len(ttfts[group]), p50, p99])
-        finally:
-            stack.stop()
-    return rows
+    return first, 200
 
 
 def _documents(count: int, words: int, seed: int) -> list[str]:
@@ -147,7 +258,7 @@ async def _routing_run(url: str, key: str, docs: list[str], questions: int, conc
                 doc, q = queue.get_nowait()
                 messages = [{"role": "system", "content": doc},
                             {"role": "user", "content": f"Question {q}: summarise part {q} in one line."}]
-                first, _, status = await _ttft(session, url, key, messages, max_tokens)
+                first, status = await _first_chunk(session, url, key, messages, max_tokens)
                 if status == 200 and first is not None:
                     ttfts.append(first)
 
@@ -158,8 +269,9 @@ async def _routing_run(url: str, key: str, docs: list[str], questions: int, conc
 def routing(args: argparse.Namespace, workdir: Path) -> list[list[Any]]:
     rows: list[list[Any]] = []
     options = json.dumps({"enforce_eager": True, "dtype": "float32", "enable_prefix_caching": True})
+    modes = (True, False) * (1 if args.quick else args.routing_rounds)
     with services() as running:
-        for round_, prefix_routing in enumerate((True, False, True, False) if not args.quick else (True, False)):
+        for round_, prefix_routing in enumerate(modes):
             mode = "prefix routing" if prefix_routing else "plain sharing"
             stack = FlatfareStack(running, workdir / f"routing-{round_}", MODEL,
                                   worker_args=["--engine-options", options],
@@ -171,17 +283,22 @@ def routing(args: argparse.Namespace, workdir: Path) -> list[list[Any]]:
                 second = _second_worker(stack, options)
                 stack.start_gateway(ready_timeout_s=900)
                 _wait_two_warm(stack)
+                _say(f"routing: {mode}, run {round_ + 1}")
                 # Fresh documents per run: no run profits from another's cache.
                 docs = _documents(args.documents, args.document_words, seed=1000 + round_)
                 ttfts, seconds, count = asyncio.run(_routing_run(
                     f"{stack.base_url}/v1/chat/completions", stack.key, docs, args.questions,
                     args.routing_concurrency, args.max_tokens, seed=round_))
-                p50, p99 = _pcts(ttfts)
-                rows.append([mode, round_ + 1, count, len(ttfts), p50, p99, count / seconds])
+                rows.append([mode, round_ + 1, count, len(ttfts), _ms(percentile(ttfts, 50)),
+                             _ms(percentile(ttfts, 99)), count / seconds])
                 running.stop(second)
             finally:
                 stack.stop()
     return rows
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
 
 
 def _second_worker(stack: FlatfareStack, options: str):  # noqa: ANN202 - a bench.procs.Service
@@ -212,69 +329,31 @@ def _wait_two_warm(stack: FlatfareStack, timeout_s: float = 900) -> None:
         client.close()
 
 
+# -- the command -----------------------------------------------------------------------------------
+
 def run(args: argparse.Namespace) -> int:
     if args.quick:
-        args.duration, args.documents, args.questions = 10.0, 4, 3
+        args.duration, args.settle, args.calibrate, args.documents, args.questions = 10.0, 3.0, 8.0, 4, 3
+    report.mark_start()
     info = report.machine()
+    started = time.monotonic()
     sections: list[tuple[str, str]] = []
     with tempfile.TemporaryDirectory(prefix="ff-bench-sched-") as tmp:
         workdir = Path(tmp)
-        if "lanes" in args.parts:
-            rows = lanes(args, workdir)
-            columns = ["mode", "clients' lane", "clients", "requests", "TTFT p50 ms", "TTFT p99 ms"]
-            report.write_csv(args.out / "scheduling_lanes.csv", columns, rows)
-            sections.append(("Premium and standard under 2x overload", report.markdown_table(columns, rows)))
-            _plot_lanes(args.out / "scheduling_lanes.png", rows)
+        if {"premium", "noisy"} & set(args.parts):
+            capacity, runs = scenarios(args, workdir)
+            sections += scheduling_report.scenario_sections(args, capacity, runs, args.out)
         if "routing" in args.parts:
             rows = routing(args, workdir)
             columns = ["mode", "run", "requests", "answered", "TTFT p50 ms", "TTFT p99 ms", "req/s"]
             report.write_csv(args.out / "scheduling_routing.csv", columns, rows)
             sections.append(("Prefix-aware routing against plain sharing (2 workers)",
                              report.markdown_table(columns, rows)))
-            _plot_routing(args.out / "scheduling_routing.png", rows)
+            scheduling_report.plot_routing(args.out / "scheduling_routing.png", rows)
+    info["load average at the end"] = report.load_average()
+    info["wall time"] = f"{(time.monotonic() - started) / 60:.1f} min"
     settings = {k: v for k, v in vars(args).items() if k not in ("out",)}
-    report.write_markdown(args.out / "scheduling.md", "Scheduling: lanes under overload, prefix-aware routing",
+    report.write_markdown(args.out / "scheduling.md", "Scheduling: what Premium and fair shares sell; prefix routing",
                           __doc__ or "", info, settings, sections)
     print((args.out / "scheduling.md").read_text())
     return 0
-
-
-def _plot_lanes(path: Path, rows: list[list[Any]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"{r[0]}\n{r[1]}" for r in rows]
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    ax.bar([i - 0.2 for i in range(len(rows))], [r[4] or 0 for r in rows], width=0.4, label="p50")
-    ax.bar([i + 0.2 for i in range(len(rows))], [r[5] or 0 for r in rows], width=0.4, label="p99")
-    ax.set_xticks(range(len(rows)), labels, fontsize=8)
-    ax.set_ylabel("time to first token (ms)")
-    ax.set_title("TTFT by lane at 2x overload (CPU worker)")
-    ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def _plot_routing(path: Path, rows: list[list[Any]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    for mode, color in (("prefix routing", "tab:green"), ("plain sharing", "tab:gray")):
-        mine = [r for r in rows if r[0] == mode]
-        ax.scatter([r[1] for r in mine], [r[4] or 0 for r in mine], label=f"{mode} p50", color=color, marker="o")
-        ax.scatter([r[1] for r in mine], [r[5] or 0 for r in mine], label=f"{mode} p99", color=color, marker="^")
-    ax.set_xlabel("run")
-    ax.set_ylabel("time to first token (ms)")
-    ax.set_title("Shared system prompts on 2 CPU workers")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
