@@ -8,6 +8,7 @@ from fastapi import Depends, Header, Request
 
 from flatfare.gateway.auth import Authenticator, Caller
 from flatfare.gateway.openai.asgi import read_body
+from flatfare.gateway.plans import PlanBook
 from flatfare.gateway.pools import Pools
 
 
@@ -30,6 +31,11 @@ async def _pools(request: Request) -> Pools:
     return request.app.state.pools
 
 
+async def _plans(request: Request) -> PlanBook:
+    return request.app.state.plans
+
+
 CurrentCaller = Annotated[Caller, Depends(_caller)]
 RawBody = Annotated[bytes, Depends(_body)]
 PoolsDep = Annotated[Pools, Depends(_pools)]
+PlansDep = Annotated[PlanBook, Depends(_plans)]

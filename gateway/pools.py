@@ -13,6 +13,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from flatfare import contract
+from flatfare.capabilities import Capabilities, capabilities_of
 from flatfare.contract import WorkerInfo, WorkerState
 from flatfare.storage.models import CatalogModel
 from flatfare.gateway.errors import APIError
@@ -39,6 +40,10 @@ class CatalogEntry:
     plans: frozenset[str] | None = None
     # Pinned or with a minimum of workers: it should always be served.
     expected: bool = False
+    # What the API offers on it, from its engine options (checked before a request is counted).
+    capabilities: Capabilities = Capabilities()
+    # Its engine options' max_model_len; None: the model's own (the live workers report it).
+    max_model_len: int | None = None
 
     def allows_plan(self, plan: str) -> bool:
         return self.plans is None or plan in self.plans
@@ -73,7 +78,9 @@ class Pools:
             rows = (await session.scalars(select(CatalogModel))).all()
         return {row.name: CatalogEntry(row.name, row.enabled, row.min_workers, _epoch(row.created_at),
                                        frozenset(row.plans) if row.plans is not None else None,
-                                       expected=row.pinned or row.min_workers > 0)
+                                       expected=row.pinned or row.min_workers > 0,
+                                       capabilities=capabilities_of(row.engine_options or {}),
+                                       max_model_len=(row.engine_options or {}).get("max_model_len"))
                 for row in rows}
 
     async def _read_live_workers(self, model: str) -> tuple[WorkerInfo, ...]:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import Response
 
 from flatfare.gateway.auth import Caller
-from flatfare.gateway.deps import CurrentCaller, PoolsDep
+from flatfare.gateway.deps import CurrentCaller, PlansDep, PoolsDep
 from flatfare.gateway.errors import ERROR_RESPONSES, APIError
 from flatfare.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -38,28 +39,35 @@ async def completions(_: CurrentCaller) -> Response:
     return _served_outside()
 
 
-async def _model_cards(pools: PoolsDep, caller: Caller) -> list[dict[str, Any]]:
-    """OpenAI's model objects, plus Flatfare's ``state``: warm, starting or unavailable; only those the
-    caller's key may use."""
+async def _model_cards(pools: PoolsDep, plans: PlansDep, caller: Caller) -> list[dict[str, Any]]:
+    """OpenAI's model objects, plus Flatfare's: ``state`` (warm, starting or unavailable),
+    ``context_length`` and the ``capabilities`` its catalog entry gives it (null for a model outside
+    the catalog); only the models the caller's plan and key may use."""
     catalog = await pools.catalog()
+    plan = (await plans.terms(caller.account, datetime.now(UTC))).plan
     cards = []
     for name, state in (await pools.model_states()).items():
-        if not caller.key.allows_model(name):
-            continue
         entry = catalog.get(name)
+        if not (caller.key.allows_model(name) and plan.allows_model(name) and (entry is None or
+                                                                              entry.allows_plan(plan.name))):
+            continue
+        workers = await pools.live_workers(name)
+        context = min((w.max_model_len for w in workers if w.max_model_len), default=None)
         cards.append({"id": name, "object": "model", "created": entry.created if entry else 0,
-                      "owned_by": "flatfare", "state": state.value})
+                      "owned_by": "flatfare", "state": state.value,
+                      "context_length": context or (entry.max_model_len if entry else None),
+                      "capabilities": entry.capabilities.public() if entry else None})
     return cards
 
 
 @router.get("/models")
-async def list_models(caller: CurrentCaller, pools: PoolsDep) -> dict[str, Any]:
-    return {"object": "list", "data": await _model_cards(pools, caller)}
+async def list_models(caller: CurrentCaller, pools: PoolsDep, plans: PlansDep) -> dict[str, Any]:
+    return {"object": "list", "data": await _model_cards(pools, plans, caller)}
 
 
 @router.get("/models/{model_id:path}")
-async def get_model(model_id: str, caller: CurrentCaller, pools: PoolsDep) -> dict[str, Any]:
-    for card in await _model_cards(pools, caller):
+async def get_model(model_id: str, caller: CurrentCaller, pools: PoolsDep, plans: PlansDep) -> dict[str, Any]:
+    for card in await _model_cards(pools, plans, caller):
         if card["id"] == model_id:
             return card
     raise APIError(404, f"The model '{model_id}' does not exist or you do not have access to it.",
