@@ -34,6 +34,7 @@ from flatfare.billing.held import LOST_CODE, HeldUnits
 from flatfare.gateway.metrics import GatewayMetrics
 from flatfare.gateway.plans import PlanBook
 from flatfare.gateway.pools import Pools
+from flatfare.gateway.openai.capabilities import check_capabilities
 from flatfare.gateway.openai.checks import (IDEMPOTENCY_WINDOW_S, check_caps, check_fits, check_key_allows,
                                     deadline_ms_of, expired, idempotency_key_of, parse_body)
 from flatfare.gateway.queueing import KeyQuotaSpent, LaneQueue, QuotaClaim, QuotaSpent, Queued
@@ -199,6 +200,7 @@ class CompletionService:
         if self._screen is not None:  # image hosts that resolve to private addresses; grammar floods
             await self._screen.check(caller.account_id, parsed)
         entry = (await self._pools.catalog()).get(parsed.model)
+        check_capabilities(parsed, entry)  # tools, media, reasoning the model lacks: 400, nothing counted
         if entry is not None and not entry.allows_plan(terms.plan.name):
             raise APIError(403, f"The model '{parsed.model}' is not offered on the {terms.plan.name} plan.",
                            param="model", code="model_not_allowed")
