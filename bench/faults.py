@@ -88,7 +88,7 @@ class Rig:
     postgres: bool = False
     # Per gateway: seconds its clock is ahead of the real one (libfaketime), for the day boundary. Each
     # gateway's clock follows a file (the first one's also the workers' and the commands'), so
-    # set_clock_offsets moves the clocks of running processes.
+    # set_clock_offsets and hold_clocks move the clocks of running processes.
     clock_offsets_s: list[float] | None = None
     request_timeout_s: float = 10.0
     # Jobs each worker holds at once (0: the engine's capacity); fewer make jobs queue in Redis.
@@ -216,9 +216,18 @@ class Rig:
         gateway's also for the workers); running processes follow within a call of their clock."""
         self.clock_offsets_s = list(offsets_s)
         for index, offset in enumerate(offsets_s):
-            moved = self._clock_file(index).with_suffix(".new")
-            moved.write_text(f"{offset:+.3f}\n")
-            moved.replace(self._clock_file(index))  # whole: a clock never reads half a file
+            self._write_clock(index, f"{offset:+.6f}")
+
+    def hold_clocks(self, times: list[datetime]) -> None:
+        """Per gateway, the time its clock shows, standing still until set_clock_offsets lets it run
+        (libfaketime's absolute time; sleeps and timeouts run on the real monotonic clock meanwhile)."""
+        for index, at in enumerate(times):
+            self._write_clock(index, f"{at.astimezone(UTC):%Y-%m-%d %H:%M:%S.%f}")
+
+    def _write_clock(self, index: int, spec: str) -> None:
+        moved = self._clock_file(index).with_suffix(".new")
+        moved.write_text(spec + "\n")
+        moved.replace(self._clock_file(index))  # whole: a clock never reads half a file
 
     def wait_worker(self, worker: Service) -> None:
         assert self.redis is not None
@@ -310,6 +319,9 @@ class Tally:
     cut: int = 0
     lost: int = 0
     lost_examples: list[str] = field(default_factory=list)
+    # Answered requests the scenario knows the quota day of (day_boundary: sent while every clock
+    # stood before midnight, or once every clock had passed it): day -> count, a floor for the ledger's.
+    answered_on: Counter[str] = field(default_factory=Counter)
 
     @property
     def sent(self) -> int:
@@ -336,7 +348,8 @@ class Clients:
         self._next += 1
         return live[self._next % len(live)]
 
-    async def one(self) -> None:
+    async def one(self) -> bool:
+        """Send one request and classify its answer; True if it was answered."""
         port = self._port()
         stream = self._random.random() < self._stream_share
         body = {"model": self.rig.model, "messages": [{"role": "user", "content": "hi"}], "stream": stream,
@@ -348,15 +361,15 @@ class Clients:
                 async with self._client.stream("POST", url, json=body, headers=headers) as response:
                     if response.status_code != 200:
                         self._error(await response.aread(), response.status_code)
-                    elif stream:
-                        await self._read_stream(response, port)
-                    else:
-                        payload = orjson.loads(await response.aread())
-                        self._answered_or_lost("choices" in payload, port, "200 without choices")
+                        return False
+                    if stream:
+                        return await self._read_stream(response, port)
+                    payload = orjson.loads(await response.aread())
+                    return self._answered_or_lost("choices" in payload, port, "200 without choices")
         except (httpx.HTTPError, TimeoutError) as exc:
-            self._answered_or_lost(False, port, f"{exc.__class__.__name__}: {exc}")
+            return self._answered_or_lost(False, port, f"{exc.__class__.__name__}: {exc}")
 
-    async def _read_stream(self, response: httpx.Response, port: int) -> None:
+    async def _read_stream(self, response: httpx.Response, port: int) -> bool:
         code, done = None, False
         async for line in response.aiter_lines():
             if line == "data: [DONE]":
@@ -365,8 +378,8 @@ class Clients:
                 code = (orjson.loads(line[6:])["error"] or {}).get("code") or "error"
         if done and code:
             self.tally.failed[str(code)] += 1
-        else:
-            self._answered_or_lost(done, port, "stream ended without [DONE]")
+            return False
+        return self._answered_or_lost(done, port, "stream ended without [DONE]")
 
     def _error(self, raw: bytes, status: int) -> None:
         try:
@@ -376,7 +389,7 @@ class Clients:
             self.tally.lost += 1
             self.tally.lost_examples.append(f"{status} without an error body: {raw[:120]!r}")
 
-    def _answered_or_lost(self, ok: bool, port: int, why: str) -> None:
+    def _answered_or_lost(self, ok: bool, port: int, why: str) -> bool:
         if ok:
             self.tally.answered += 1
         elif port in self.rig.dead_ports:
@@ -385,6 +398,7 @@ class Clients:
             self.tally.lost += 1
             if len(self.tally.lost_examples) < 5:
                 self.tally.lost_examples.append(why)
+        return ok
 
     async def closed_loop(self, concurrency: int, until: Callable[[], bool]) -> None:
         async def client() -> None:
@@ -526,27 +540,57 @@ async def stripe_failing(rig: Rig, reps: int) -> Clients:
 
 async def day_boundary(rig: Rig, reps: int) -> Clients:
     """Two gateways (and the workers) on clocks moved by libfaketime, the second 1.5 s ahead of the
-    first: they start at midnight, however long that takes, and once all run their clocks are set
-    back to 5 s before it; 8 clients send for 8 s from 4 s before midnight by the first."""
+    first. They start after midnight, however long that takes; once all run, their clocks are set back
+    to 4 s (the first) and 2.5 s (the second) before it and held there while 8 clients send 2
+    requests each, however long those take; then the clocks run on, and the clients go on until each
+    has had an answer to a request sent once both clocks had passed midnight."""
     assert rig.clock_offsets_s is not None
     # Back, not forward: a clock moved forward would find every other process's last heartbeat old
-    # (a gateway would be reaped, a worker taken for dead) until each had beaten again.
+    # (a gateway would be reaped, a worker taken for dead) until each had beaten again. Held, then let
+    # run from where it stood: a slow machine takes longer, never more of the day.
     first = rig.clock_offsets_s[0]
-    base = _to_midnight(5.0)
-    rig.set_clock_offsets([base + offset - first for offset in rig.clock_offsets_s])
-    await asyncio.sleep(max(_to_midnight(4.0) - base, 0))
+    # The midnight the first clock passed at the start (not the real clock's next one, which the
+    # start may have passed too).
+    midnight = _day_start(datetime.now(UTC) + timedelta(seconds=first))
+    before, after = f"{midnight - timedelta(days=1):%Y-%m-%d}", f"{midnight:%Y-%m-%d}"
+    leads_s = [4.0 - (offset - first) for offset in rig.clock_offsets_s]  # before midnight, per gateway
+    held = [midnight - timedelta(seconds=lead) for lead in leads_s]
+    rig.hold_clocks(held)
     clients = Clients(rig, stream_share=0.5)
-    deadline = time.monotonic() + 8
-    await clients.closed_loop(8, lambda: time.monotonic() > deadline)
+
+    async def held_client() -> None:
+        for _ in range(2 * reps):
+            if await clients.one():
+                clients.tally.answered_on[before] += 1
+
+    await asyncio.gather(*(held_client() for _ in range(8)))
+    # Let every clock run from where it stands; from ``past`` on, every clock reads after midnight.
+    released = time.time()
+    rig.set_clock_offsets([at.timestamp() - released for at in held])
+    past = released + max(leads_s)
+    give_up = time.monotonic() + 120
+
+    async def crossing_client() -> None:
+        while time.monotonic() < give_up:
+            sent = time.time()
+            if await clients.one() and sent >= past:
+                clients.tally.answered_on[after] += 1
+                return
+
+    await asyncio.gather(*(crossing_client() for _ in range(8)))
     await clients.close()
     return clients
+
+
+def _day_start(at: datetime) -> datetime:
+    """The UTC midnight that begins ``at``'s day (the plans' quota day is UTC's)."""
+    return at.replace(hour=0, minute=0, second=0, microsecond=0)
 
 
 def _to_midnight(lead_s: float) -> float:
     """The clock offset that puts a gateway ``lead_s`` seconds before the next UTC midnight."""
     now = datetime.now(UTC)
-    midnight = (now + timedelta(days=1)).replace(hour=0, minute=0, second=0, microsecond=0)
-    return (midnight - now).total_seconds() - lead_s
+    return (_day_start(now) + timedelta(days=1) - now).total_seconds() - lead_s
 
 
 @dataclass
