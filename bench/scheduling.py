@@ -19,7 +19,8 @@ refusal is until its whole 429 answer is read, both in this process (aiohttp).
    the flood; 429s go to the flooder, not to them.
 3. **Prefix routing.** Two CPU workers; ``--documents`` long shared system prompts, each asked
    ``--questions`` different questions, in a shuffled order. Time to first token and throughput
-   with prefix-aware routing on, then off (plain sharing through the lane).
+   with prefix-aware routing on, then off (plain sharing through the lane), ``--routing-rounds``
+   times; the workers start once, the gateway restarts with the switch for each run.
 
 In parts 1 and 2 the load beside the measured group (standard, the flood) starts ``--settle``
 seconds before the measured window, runs until every measured request is answered, and is then cut
@@ -239,7 +240,7 @@ async def _first_chunk(session: aiohttp.ClientSession, url: str, key: str, messa
 
 def _documents(count: int, words: int, seed: int) -> list[str]:
     rng = random.Random(seed)
-    return [f"You are the assistant for project {i}. Reference document follows. "
+    return [f"Run {seed}. You are the assistant for project {i}. Reference document follows. "
             + " ".join(rng.choice(WORDS) for _ in range(words)) for i in range(count)]
 
 
@@ -267,33 +268,35 @@ async def _routing_run(url: str, key: str, docs: list[str], questions: int, conc
 
 
 def routing(args: argparse.Namespace, workdir: Path) -> list[list[Any]]:
+    """Both workers start once; the gateway restarts with the switch (a gateway setting) for each run."""
     rows: list[list[Any]] = []
     options = json.dumps({"enforce_eager": True, "dtype": "float32", "enable_prefix_caching": True})
     modes = (True, False) * (1 if args.quick else args.routing_rounds)
     with services() as running:
-        for round_, prefix_routing in enumerate(modes):
-            mode = "prefix routing" if prefix_routing else "plain sharing"
-            stack = FlatfareStack(running, workdir / f"routing-{round_}", MODEL,
-                                  worker_args=["--engine-options", options],
-                                  extra_env={"VLLM_CPU_KVCACHE_SPACE": "1",
-                                             "FLATFARE_PREFIX_ROUTING": "true" if prefix_routing else "false"})
-            try:
-                stack.start_storage()
-                stack.start_worker()
-                second = _second_worker(stack, options)
+        stack = FlatfareStack(running, workdir / "routing", MODEL, worker_args=["--engine-options", options],
+                              extra_env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+        try:
+            stack.start_storage()
+            stack.start_worker()
+            second = _second_worker(stack, options)
+            for round_, prefix_routing in enumerate(modes):
+                mode = "prefix routing" if prefix_routing else "plain sharing"
+                if stack.gateway is not None:
+                    running.stop(stack.gateway)
+                stack.extra_env["FLATFARE_PREFIX_ROUTING"] = "true" if prefix_routing else "false"
                 stack.start_gateway(ready_timeout_s=900)
                 _wait_two_warm(stack)
                 _say(f"routing: {mode}, run {round_ + 1}")
-                # Fresh documents per run: no run profits from another's cache.
+                # Fresh documents per run (the run's number opens each): no run profits from another's cache.
                 docs = _documents(args.documents, args.document_words, seed=1000 + round_)
                 ttfts, seconds, count = asyncio.run(_routing_run(
                     f"{stack.base_url}/v1/chat/completions", stack.key, docs, args.questions,
                     args.routing_concurrency, args.max_tokens, seed=round_))
                 rows.append([mode, round_ + 1, count, len(ttfts), _ms(percentile(ttfts, 50)),
                              _ms(percentile(ttfts, 99)), count / seconds])
-                running.stop(second)
-            finally:
-                stack.stop()
+            running.stop(second)
+        finally:
+            stack.stop()
     return rows
 
 

@@ -89,9 +89,14 @@ def _premium_goals(alone: Run, loaded: Run, overload: float) -> list[list[Any]]:
     rows.append(["standard time to the refusal p50 (ms)", "", standard.refusal_p50_ms, "", "", ""])
     rows.append(["standard time to the refusal p99 (ms)", "", standard.refusal_p99_ms, "",
                  f"< {REFUSAL_P99_GOAL_MS:g} ms", _at_most(standard.refusal_p99_ms, REFUSAL_P99_GOAL_MS, " ms")])
-    queued_s = None if standard.ttft_p99_ms is None else standard.ttft_p99_ms / 1000
-    rows.append(["standard admitted: TTFT p99 (s)", "", queued_s, "", f"not minutes (< {QUEUED_GOAL_S:g} s)",
-                 _at_most(queued_s, QUEUED_GOAL_S, " s")])
+    # Admitted standard requests still open when the run ended count with their time so far.
+    mine = loaded.result.of("standard")
+    waits = [o.ttft_s for o in mine if o.status == 200 and o.ttft_s is not None]
+    still = [o.total_s for o in mine if o.status == CUT_OFF]
+    longest = max(waits + still) if waits or still else None
+    rows.append([f"standard admitted: longest wait for a first token (s; {len(still)} still open at the end, their "
+                 "time so far)", "", longest, "", f"not minutes (< {QUEUED_GOAL_S:g} s)",
+                 _at_most(longest, QUEUED_GOAL_S, " s")])
     return rows
 
 

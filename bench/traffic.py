@@ -130,11 +130,12 @@ class _Sender:
         self.outcomes.append(outcome)
         return outcome
 
-    async def open_loop(self, group: Group, until: float, seed: int) -> None:
-        """Poisson arrivals for each account (``group.rate`` shared evenly), none fired after ``until``."""
+    async def open_loop(self, group: Group, begin: float, until: float, seed: int) -> None:
+        """Poisson arrivals for each account (``group.rate`` shared evenly) from ``begin``, none at or
+        after ``until``: the same seed, the same moments relative to ``begin``."""
         async def account_arrivals(account: int) -> None:
             rng = random.Random(f"{seed}:{group.name}:{account}")
-            at = time.perf_counter()
+            at = begin
             n = 0
             while True:
                 at += rng.expovariate(group.rate / len(group.keys))
@@ -161,8 +162,8 @@ class _Sender:
 
         await asyncio.gather(*(client(i) for i in range(group.clients)))
 
-    def start(self, group: Group, until: float, seed: int) -> None:
-        loop = self.open_loop(group, until, seed) if group.rate else self.closed_loop(group, until)
+    def start(self, group: Group, begin: float, until: float, seed: int) -> None:
+        loop = self.open_loop(group, begin, until, seed) if group.rate else self.closed_loop(group, until)
         self.spawn(group.name, loop)
 
     async def drained(self, groups: list[Group], timeout_s: float) -> None:
@@ -219,13 +220,13 @@ async def run_groups(request: Request, groups: list[Group], duration_s: float, s
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=answer_timeout_s)) as s:
         sender = _Sender(s, request, time.perf_counter() + (settle_s if background else 0.0))
         lag_task = asyncio.create_task(_loop_lag(lag, stop_lag))
-        far = time.perf_counter() + 24 * 3600  # background groups run until cut off
-        for group in background:
-            sender.start(group, far, seed)
+        now = time.perf_counter()
+        for group in background:  # they run until cut off
+            sender.start(group, now, now + 24 * 3600, seed)
         await asyncio.sleep(max(0.0, sender.t0 - time.perf_counter()))
         until = sender.t0 + duration_s
         for group in measured:
-            sender.start(group, until, seed)
+            sender.start(group, sender.t0, until, seed)
         await asyncio.sleep(duration_s)
         await sender.drained(measured, answer_timeout_s)
         await sender.cut_off(measured + background)
