@@ -11,7 +11,8 @@ Every process renews its score in ``contract.GATEWAYS_KEY``. The reaper (every l
 one; a lock per dead process makes one of them do the work) takes a process silent for
 ``dead_after_s``: it closes that process's open ledger rows as failed and free
 (``gateway_lost``), gives back every unit whose request is not billable (or has no row at all),
-cancels their jobs, and forgets the process.
+cancels their jobs, takes its requests out of their accounts' and keys' in-flight sets, and forgets
+the process.
 """
 
 from __future__ import annotations
@@ -49,12 +50,21 @@ class HeldUnits:
         self._quota = quota
         self._dead_after_ms = int(dead_after_s * 1000)
         self._released: list[str] = []
+        self._ended: list[tuple[str, str]] = []  # (in-flight set, request id) to take out
         self._owed: list[tuple[int, str, str, str, int | None]] = []  # give-backs that found Redis away
         self._task: asyncio.Task[None] | None = None
 
     def release(self, request_id: str) -> None:
         """The request was charged: its unit stays counted and is no longer this process's to settle."""
         self._released.append(request_id)
+
+    def ended(self, request_id: str, account_id: int, key_id: int | None) -> None:
+        """The request is no longer in flight (its worker says so with its terminal reply; this covers
+        the requests that end without one: cancelled, timed out, withdrawn, lost). Sent with the next
+        flush."""
+        self._ended.append((contract.inflight_key(account_id), request_id))
+        if key_id is not None:
+            self._ended.append((contract.key_inflight_key(key_id), request_id))
 
     def give_back_later(self, account_id: int, day: str, request_id: str, generation: str,
                         key_id: int | None = None) -> None:
@@ -78,14 +88,18 @@ class HeldUnits:
 
     async def _flush(self) -> None:
         released, self._released = self._released, []
+        ended, self._ended = self._ended, []
         async with self._redis.pipeline(transaction=False) as pipe:
             if released:
                 pipe.hdel(self.key, *released)
+            for key, request_id in ended:
+                pipe.zrem(key, request_id)
             pipe.zadd(contract.GATEWAYS_KEY, {self.gateway_id: int(time.time() * 1000)})
             try:
                 await pipe.execute()
             except BaseException:
                 self._released[:0] = released  # tried again at the next pass
+                self._ended[:0] = ended
                 raise
 
     async def _run(self) -> None:
@@ -135,6 +149,11 @@ class HeldUnits:
             async with self._redis.pipeline(transaction=False) as pipe:
                 for request_id in free:  # a job still queued or running for nobody
                     pipe.set(contract.cancel_key(request_id), 1, ex=contract.CANCEL_TTL_S)
+                for request_id, value in held.items():  # nobody waits for any of them now
+                    account_id, _day, key_id = parse_held(value)
+                    pipe.zrem(contract.inflight_key(account_id), request_id)
+                    if key_id is not None:
+                        pipe.zrem(contract.key_inflight_key(key_id), request_id)
                 if len(free) < len(held):
                     pipe.hdel(key, *(rid for rid in held if billable.get(rid, False)))
                 await pipe.execute()

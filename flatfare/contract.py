@@ -4,19 +4,26 @@ Both sides import this module and nothing else of each other; it imports nothing
 
 Request path in Redis terms:
 
-1. The gateway XADDs a :class:`Job` to its lane's stream ``job_stream(model, lane)`` (premium or
-   standard), or, when prefix-aware routing picked a worker that served the same prompt prefix
-   recently and has room, to that worker's own stream ``worker_stream(model, worker_id)``. Every
-   worker of the model's pool reads the lane streams through the consumer group
-   :data:`POOL_GROUP`, so each job goes to one worker: its own stream first, then premium, then
-   standard, with a guaranteed share for standard (:data:`STANDARD_SHARE`).
+1. The gateway's admission script XADDs a :class:`Job` to its account's queue on its lane,
+   ``account_queue(model, lane, account_id)``, puts the account at the back of the lane's ring
+   ``lane_ring(model, lane)`` if it was not there, counts it in ``queued_key(model, lane)`` and rings
+   ``wake_stream(model)``; or, when prefix-aware routing picked a worker that served the same prompt
+   prefix recently and has room, XADDs it to that worker's own stream ``worker_stream(model,
+   worker_id)``. The same script counts the request in its account's and key's in-flight sets
+   (``inflight_key``, ``key_inflight_key``). A worker's claim script serves its own stream first,
+   then premium, then standard, with a guaranteed share for standard (:data:`STANDARD_SHARE`); within
+   a lane it takes one job per account in turn (the ring), moving each into the lane's stream
+   ``job_stream(model, lane)``, which every worker of the pool reads through the consumer group
+   :data:`POOL_GROUP`: a job taken is pending there, under the worker's lease.
 2. The worker XADDs :class:`Reply` entries to the job's ``reply_to`` stream: the gateway process's
    own ``gateway_replies(gateway_id)`` (each entry names its request), or, for an idempotent
    request, the request's own ``reply_stream(request_id)``, kept for replays. Zero or more
    ``CHUNK`` entries (one SSE ``data:`` payload each) then exactly one terminal entry:
    ``RESPONSE`` (a whole non-streaming body), ``ERROR`` (status + OpenAI error body) or ``END``
    (a stream finished; carries the usage).
-3. The worker XACKs (and XDELs) the job only once its terminal reply is written. While it runs a
+3. The worker takes the request out of its in-flight sets in the same batch as its terminal reply,
+   just before it (the gateway takes out those that end otherwise), and XACKs (and XDELs) the job
+   only once its terminal reply is written. While it runs a
    job it renews its lease (XCLAIM to itself, which resets the idle time) every
    ``lease/3``; a job idle longer than its lease belongs to a worker that died, and any live worker
    takes it over with XAUTOCLAIM: it runs the job again unless ``begun_key(request_id)`` says a
@@ -251,6 +258,10 @@ class Job:
     # Where the replies go: the gateway process's reply stream, or the request's own; "" means the
     # request's own (jobs queued by gateways that predate per-process reply streams).
     reply_to: str = ""
+    # Whose request it is (0: not known, a job from an older gateway): the worker takes it out of the
+    # account's and the key's in-flight sets with its terminal reply.
+    account_id: int = 0
+    key_id: int = 0
 
     @property
     def priority(self) -> int:
@@ -270,6 +281,8 @@ class Job:
             "dl": str(self.deadline_ms),
             "px": self.prefix,
             "rt": self.reply_to,
+            "a": str(self.account_id),
+            "k": str(self.key_id),
         }
 
     @classmethod
@@ -284,7 +297,14 @@ class Job:
             deadline_ms=int(f.get("dl", "0")),
             prefix=f.get("px", ""),
             reply_to=f.get("rt", ""),
+            account_id=int(f.get("a", "0")),
+            key_id=int(f.get("k", "0")),
         )
+
+    def inflight_keys(self) -> list[str]:
+        """The in-flight sets (:func:`inflight_key`, :func:`key_inflight_key`) the request is in."""
+        keys = [inflight_key(self.account_id)] if self.account_id else []
+        return keys + [key_inflight_key(self.key_id)] if self.key_id else keys
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,11 +50,6 @@ TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 QUEUE_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
-def lane_streams(model: str) -> dict[str, str]:
-    """A model's job streams by lane (premium, standard)."""
-    return {lane.value: contract.job_stream(model, lane) for lane in Lane}
-
-
 class GatewayMetrics:
     """Every metric a gateway process writes. One instance per app; in multiprocess mode the samples
     land in files and the ``registry`` only matters for a single-process gateway."""
@@ -199,9 +194,15 @@ class PlatformSnapshot:
     up: dict[str, bool] = field(default_factory=dict)
 
 
-async def queue_depth(redis: Any, model: str, lane: str, stream: str, now_ms: int) -> QueueDepth:
-    """Jobs waiting on ``stream`` (not yet taken by a worker), jobs taken and not finished, and the age
-    of the oldest waiting one. Finished jobs are deleted from the stream, so waiting = length - taken."""
+# Accounts whose oldest waiting job is looked at for a lane's oldest wait (the ring's first ones: a
+# lane served in turn has its oldest jobs near the front).
+_OLDEST_OF = 64
+
+
+async def queue_depth(redis: Any, model: str, lane: Lane, now_ms: int) -> QueueDepth:
+    """Jobs waiting on a lane (in its accounts' queues, and any its stream holds not yet taken), jobs
+    taken and not finished (pending in the lane's stream), and the age of the oldest waiting one."""
+    stream = contract.job_stream(model, lane)
     length = int(await redis.xlen(stream))
     claimed = 0
     after = "-"
@@ -214,13 +215,19 @@ async def queue_depth(redis: Any, model: str, lane: str, stream: str, now_ms: in
                     after = "(" + _text(group.get("last-delivered-id") or "0-0")
         except ResponseError:  # no consumer group yet: every entry is waiting
             pass
-    waiting = max(length - claimed, 0)
-    oldest = 0.0
-    if waiting:
-        first = await redis.xrange(stream, min=after, max="+", count=1)
-        if first:
-            oldest = max(now_ms - int(_text(first[0][0]).split("-")[0]), 0) / 1000
-    return QueueDepth(model, lane, waiting, claimed, oldest)
+    undelivered = max(length - claimed, 0)
+    waiting = max(int(await redis.get(contract.queued_key(model, lane)) or 0), 0) + undelivered
+    firsts: list[Any] = []
+    if undelivered:
+        firsts.append(await redis.xrange(stream, min=after, max="+", count=1))
+    accounts = await redis.lrange(contract.lane_ring(model, lane), 0, _OLDEST_OF - 1)
+    if accounts:
+        async with redis.pipeline(transaction=False) as pipe:
+            for account in accounts:
+                pipe.xrange(contract.account_queue(model, lane, _text(account)), count=1)
+            firsts += await pipe.execute()
+    oldest_ms = min((int(_text(first[0][0]).split("-")[0]) for first in firsts if first), default=now_ms)
+    return QueueDepth(model, lane.value, waiting, claimed, max(now_ms - oldest_ms, 0) / 1000)
 
 
 async def platform_snapshot(state: Any) -> PlatformSnapshot:
@@ -254,8 +261,8 @@ async def platform_snapshot(state: Any) -> PlatformSnapshot:
             workers = await state.pools.live_workers(model)
             snapshot.pools[model] = PoolState(len(workers), pinned, min_workers, sum(w.capacity for w in workers),
                                               sum(w.inflight for w in workers))
-            for lane, stream in lane_streams(model).items():
-                snapshot.queues.append(await queue_depth(state.redis, model, lane, stream, now_ms))
+            for lane in Lane:
+                snapshot.queues.append(await queue_depth(state.redis, model, lane, now_ms))
         snapshot.up["redis"] = True
     except REDIS_DOWN as exc:
         log.warning("metrics: could not read the queues (%s)", exc.__class__.__name__)

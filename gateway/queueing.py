@@ -3,8 +3,10 @@ bound, and its Retry-After comes from how fast the lane has been draining. A lan
 becomes a depth bound at its recent drain rate, so both bounds are one atomic check-and-add.
 
 Admission is one round trip: :meth:`LaneQueue.admit` runs one script that checks and counts the
-account's daily quota and the API key's (flatfare.billing.quota's Lua, unchanged), checks the lane's
-depth and adds the job. A refusal of any kind leaves nothing behind: no unit counted, no job."""
+account's daily quota and the API key's (flatfare.billing.quota's Lua, unchanged), checks the
+account's and the key's requests in flight against their caps, checks the lane's depth and adds the
+job to its account's queue on the lane (the claim script, workers/claims.py, serves a lane's accounts
+in turn). A refusal of any kind leaves nothing behind: no unit counted, nothing in flight, no job."""
 
 from __future__ import annotations
 
@@ -25,29 +27,69 @@ from flatfare.contract import Job, Lane
 from flatfare.gateway.errors import APIError
 from flatfare.redis_conn import REDIS_DOWN
 
-# KEYS: the day's quota counter, the quota epoch marker, the lane (or worker) stream, this gateway
-# process's held units, and the key's counter of the day (when the claim names a key). ARGV: limit
-# (-1: none), counter expiry, lane bound, consumer group, request id, the held value
-# ("account:day:key"), the key's cap (-1: none; '': no key counted), the job's fields... Returns
-# {-1, 0}: counters being rebuilt; {0, used}: quota spent; {3, used, key used}: the key's cap reached;
+# KEYS: 1 the day's quota counter, 2 the quota epoch marker, 3 where the job goes (the account's queue
+# on its lane, or a worker's own stream), 4 this gateway process's held units, 5 the key's counter of
+# the day, 6 the account's in-flight set, 7 the key's in-flight set, 8 the lane's queued counter, 9 the
+# lane's ring of accounts, 10 the pool's wake stream. ARGV: 1 daily limit (-1: none), 2 counter expiry,
+# 3 lane bound, 4 consumer group, 5 request id, 6 the held value ("account:day:key"), 7 the key's daily
+# cap (-1: none; '': no key counted), 8 the account's in-flight cap (-1: none), 9 the key's in-flight
+# cap (-1: none; '': no key), 10 now (ms), 11 when the in-flight entry stops counting (ms), 12 the
+# account id, 13 'fair' (the account's queue) or 'direct' (a worker's stream), 14... the job's fields.
+# Returns {-1, 0}: counters being rebuilt; {0, used}: quota spent; {3, used, key used}: the key's cap
+# reached; {4, used, in flight}: the account's in-flight cap; {5, used, in flight}: the key's;
 # {2, used, queued}: lane full; {1, used, queued, entry id, generation, key used}: counted, held, queued.
-# Queued = entries not yet delivered to any worker: the stream's length minus the pending ones
-# (delivered, not yet acknowledged; acknowledged entries are deleted).
+# In-flight entries of requests that ended are removed by the worker with the terminal reply (and by
+# the gateway when it settles); a dead process's expire at ARGV[11]. Every request is in its account's
+# set, capped or not: the set is also how a gateway tells, after Redis lost its data, a lost job from
+# a live one.
 _ADMIT_COUNTED = QUOTA_CHECK + KEY_QUOTA_CHECK + """
-local ok, pending = pcall(redis.call, 'XPENDING', KEYS[3], ARGV[4])
-local queued = redis.call('XLEN', KEYS[3]) - (ok and pending[1] or 0)
+redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', ARGV[10])
+local inflight = redis.call('ZCARD', KEYS[6])
+if ARGV[8] ~= '-1' and inflight >= tonumber(ARGV[8]) then return {4, used, inflight} end
+if ARGV[9] ~= '' then
+    redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', ARGV[10])
+    local key_inflight = redis.call('ZCARD', KEYS[7])
+    if ARGV[9] ~= '-1' and key_inflight >= tonumber(ARGV[9]) then return {5, used, key_inflight} end
+end
+local fair = ARGV[13] == 'fair'
+local queued
+if fair then
+    queued = tonumber(redis.call('GET', KEYS[8]) or '0')
+else
+    local ok, pending = pcall(redis.call, 'XPENDING', KEYS[3], ARGV[4])
+    queued = redis.call('XLEN', KEYS[3]) - (ok and pending[1] or 0)
+end
 if queued >= tonumber(ARGV[3]) then return {2, used, queued} end
 """ + QUOTA_COUNT + KEY_QUOTA_COUNT + """
 redis.call('HSET', KEYS[4], ARGV[5], ARGV[6])
+redis.call('ZADD', KEYS[6], ARGV[11], ARGV[5])
+if ARGV[9] ~= '' then redis.call('ZADD', KEYS[7], ARGV[11], ARGV[5]) end
 local fields = {}
-for i = 8, #ARGV do fields[#fields + 1] = ARGV[i] end
+for i = 14, #ARGV do fields[#fields + 1] = ARGV[i] end
 local id = redis.call('XADD', KEYS[3], '*', unpack(fields))
+if fair then
+    redis.call('INCR', KEYS[8])
+    if redis.call('XLEN', KEYS[3]) == 1 then redis.call('RPUSH', KEYS[9], ARGV[12]) end
+end
+redis.call('XADD', KEYS[10], 'MAXLEN', '~', 64, '*', 'j', 1)
 return {1, used, queued + 1, id, generation, key_used}
 """
-QUOTA_SPENT, ADMITTED, LANE_FULL, KEY_QUOTA_SPENT = 0, 1, 2, 3
+QUOTA_SPENT, ADMITTED, LANE_FULL, KEY_QUOTA_SPENT, ACCOUNT_BUSY, KEY_BUSY = 0, 1, 2, 3, 4, 5
 
-# Take a job back out of its stream if no worker has been given it yet (atomic against XREADGROUP).
-_WITHDRAW = """
+# Take a job back out if no worker has been given it yet (atomic against the claim script). A job
+# in its account's queue (KEYS: the queue, the lane's queued counter, the lane's ring; ARGV: entry id,
+# account id) is still waiting while its entry is there; one routed to a worker's own stream (KEYS:
+# the stream; ARGV: entry id, consumer group) while no worker has read it.
+_WITHDRAW_FAIR = """
+if redis.call('XDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('DECR', KEYS[2])
+if redis.call('XLEN', KEYS[1]) == 0 then
+    redis.call('DEL', KEYS[1])
+    redis.call('LREM', KEYS[3], 0, ARGV[2])
+end
+return 1
+"""
+_WITHDRAW_DIRECT = """
 local ok, held = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[2], ARGV[1], ARGV[1], 1)
 if ok and #held > 0 then return 0 end
 return redis.call('XDEL', KEYS[1], ARGV[1])
@@ -105,9 +147,15 @@ def retry_after(queued: int, rate: float) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Queued:
+    """Where an admitted job waits: its account's queue on the lane (``lane`` set), or a worker's own
+    stream (``lane`` None); ``depth``: the jobs waiting there, it included."""
+
     stream: str
     entry_id: str
     depth: int
+    account_id: int = 0
+    lane: Lane | None = None
+    pool: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +169,11 @@ class QuotaClaim:
     expire_at: int
     key_id: int | None = None
     key_limit: int | None = None
+    # Requests in flight (queued or running) the account, and the key, may have at once (None: no cap).
+    max_inflight: int | None = None
+    key_max_inflight: int | None = None
+    # When an in-flight entry left by a process that died stops counting (unix ms; 0: an hour on).
+    inflight_expires_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +205,16 @@ class KeyQuotaSpent(QuotaSpent):
         self.key_used = key_used
 
 
+class TooManyInFlight(Exception):
+    """The account (or, with ``key`` True, the API key) has as many requests in flight as its cap
+    allows (nothing was counted or queued)."""
+
+    def __init__(self, inflight: int, key: bool = False) -> None:
+        super().__init__(inflight)
+        self.inflight = inflight
+        self.key = key
+
+
 class LaneQueue:
     def __init__(self, redis: aioredis.Redis, limits: dict[Lane, LaneLimits], quota: DailyQuota | None = None,
                  holder: str = "") -> None:
@@ -160,7 +223,8 @@ class LaneQueue:
         # there until its request settles.
         self.holder = holder or contract.held_units(uuid.uuid4().hex[:16])
         self._admit_counted = redis.register_script(_ADMIT_COUNTED)
-        self._withdraw = redis.register_script(_WITHDRAW)
+        self._withdraw_fair = redis.register_script(_WITHDRAW_FAIR)
+        self._withdraw_direct = redis.register_script(_WITHDRAW_DIRECT)
         self._limits = limits
         self._quota = quota
         self.drain = DrainRate(redis)
@@ -172,14 +236,18 @@ class LaneQueue:
         :class:`~flatfare.billing.quota.QuotaUnavailable` when the script cannot run or the counters cannot be
         rebuilt, and redis-py's own error when Redis cannot be reached before it (for the lane's drain rate)."""
         max_depth, rate = await self._bound(job.lane, pool)
-        target = stream or contract.job_stream(pool, job.lane)
-        keys = [counter_key(claim.account_id, claim.day), EPOCH_KEY, target, self.holder]
-        key_limit: int | str = ""
-        if claim.key_id is not None:
-            keys.append(key_counter_key(claim.key_id, claim.day))
-            key_limit = -1 if claim.key_limit is None else claim.key_limit
-        args = [-1 if claim.limit is None else claim.limit, claim.expire_at, max_depth, contract.POOL_GROUP,
-                job.request_id, held_value(claim.account_id, claim.day, claim.key_id), key_limit, *_flat(job)]
+        fair = stream is None
+        target = contract.account_queue(pool, job.lane, claim.account_id) if fair else stream
+        no_key = claim.key_id is None
+        keys = [counter_key(claim.account_id, claim.day), EPOCH_KEY, target, self.holder,
+                key_counter_key(0 if no_key else claim.key_id, claim.day), contract.inflight_key(claim.account_id),
+                contract.key_inflight_key(0 if no_key else claim.key_id), contract.queued_key(pool, job.lane),
+                contract.lane_ring(pool, job.lane), contract.wake_stream(pool)]
+        now_ms = int(time.time() * 1000)
+        args = [_cap(claim.limit), claim.expire_at, max_depth, contract.POOL_GROUP, job.request_id,
+                held_value(claim.account_id, claim.day, claim.key_id), "" if no_key else _cap(claim.key_limit),
+                _cap(claim.max_inflight), "" if no_key else _cap(claim.key_max_inflight), now_ms,
+                claim.inflight_expires_ms or now_ms + 3_600_000, claim.account_id, "fair" if fair else "direct", *_flat(job)]
         for _ in range(50):
             try:
                 try:
@@ -201,13 +269,16 @@ class LaneQueue:
             raise QuotaSpent(int(used))
         if outcome == KEY_QUOTA_SPENT:
             raise KeyQuotaSpent(int(used), int(rest[0]))
+        if outcome in (ACCOUNT_BUSY, KEY_BUSY):
+            raise TooManyInFlight(int(rest[0]), key=outcome == KEY_BUSY)
         depth = int(rest[0])
-        if stream is None:
+        if fair:
             self.drain.saw(pool, job.lane, depth - 1 if outcome == ADMITTED else depth)
         if outcome == LANE_FULL:
             raise _full(job.lane, depth, retry_after(depth, rate))
         entry_id, generation = (value.decode() if isinstance(value, bytes) else value for value in rest[1:3])
-        return Admitted(int(used), Queued(stream=target, entry_id=entry_id, depth=depth), generation, int(rest[3]))
+        queued = Queued(target, entry_id, depth, claim.account_id, job.lane if fair else None, pool)
+        return Admitted(int(used), queued, generation, int(rest[3]))
 
     async def _bound(self, lane: Lane, pool: str) -> tuple[int, float]:
         """The lane's depth bound now, and the drain rate it came from (0.0: not known)."""
@@ -219,7 +290,14 @@ class LaneQueue:
 
     async def withdraw(self, queued: Queued) -> bool:
         """True if the job was still waiting and is now gone; False if a worker has it."""
-        return bool(await self._withdraw(keys=[queued.stream], args=[queued.entry_id, contract.POOL_GROUP]))
+        if queued.lane is None:
+            return bool(await self._withdraw_direct(keys=[queued.stream], args=[queued.entry_id, contract.POOL_GROUP]))
+        keys = [queued.stream, contract.queued_key(queued.pool, queued.lane), contract.lane_ring(queued.pool, queued.lane)]
+        return bool(await self._withdraw_fair(keys=keys, args=[queued.entry_id, queued.account_id]))
+
+
+def _cap(value: int | None) -> int:
+    return -1 if value is None else value
 
 
 def _flat(job: Job) -> list[str]:

@@ -11,7 +11,7 @@ pump task per such request feeds its inbox the same way. (Jobs are put on their 
 A Redis that lost its data lost the jobs still queued in it. The reader notices (the quota
 counters' generation, read every second and returned by each admission, changed) and from then on
 watches every request it holds: one that hears nothing for ``lost_after_s``, not even a worker's
-HELD reply, and whose queue entry is gone, is answered 503 ``job_lost`` (free) instead of waiting
+HELD reply, and that is no longer in its account's in-flight set, is answered 503 ``job_lost`` (free) instead of waiting
 for its timeout.
 """
 
@@ -73,11 +73,12 @@ class Inbox:
         self._waiter: asyncio.Future[None] | None = None
         # Set when the client disconnected; wakes whoever waits.
         self.gone = False
-        # Once admitted: the quota counters' generation it was counted in, and its queue entry.
+        # Once admitted: the quota counters' generation it was counted in, and its in-flight entry
+        # (the sorted set, the member).
         self.generation = ""
         self.entry: tuple[str, str] | None = None
         # Watched after a loss of Redis's data: whether anything arrived since the last look, since
-        # when nothing did, and whether its queue entry was missing at the last look.
+        # when nothing did, and whether its in-flight entry was missing at the last look.
         self.heard = False
         self.quiet_since: float | None = None
         self.missing = False
@@ -171,10 +172,11 @@ class ReplyRouter:
         task.add_done_callback(lambda _t: self._pumps.pop(key, None))
         return inbox
 
-    def admitted(self, inbox: Inbox, stream: str, entry_id: str, generation: str) -> None:
-        """The request's job is queued at ``entry_id`` of ``stream``, its unit counted in ``generation``."""
+    def admitted(self, inbox: Inbox, inflight: str, request_id: str, generation: str) -> None:
+        """The request is admitted: in flight in the sorted set ``inflight`` (its account's, until its
+        worker's terminal reply), its unit counted in ``generation``."""
         inbox.generation = generation
-        inbox.entry = (stream, entry_id)
+        inbox.entry = (inflight, request_id)
         if self.generation is None:
             self.generation = generation
         elif generation != self.generation:
@@ -217,8 +219,9 @@ class ReplyRouter:
                         watching)
 
     async def _look(self) -> None:
-        """Answer the watched requests that were quiet for ``lost_after_s`` and whose queue entry is
-        gone at two looks in a row (a finished job's entry goes just after its last reply)."""
+        """Answer the watched requests that were quiet for ``lost_after_s`` and that are
+        gone from its account's in-flight set at two looks in a row (a finished request leaves it just
+        before its last reply)."""
         now = self._clock()
         due: list[Inbox] = []
         for inbox in list(self._watched.values()):
@@ -230,11 +233,11 @@ class ReplyRouter:
             return
         async with asyncio.timeout(SOCKET_TIMEOUT_S), self._redis.pipeline(transaction=False) as pipe:
             for inbox in due:
-                stream, entry_id = inbox.entry  # type: ignore[misc]
-                pipe.xrange(stream, entry_id, entry_id, count=1)
+                inflight, request_id = inbox.entry  # type: ignore[misc]
+                pipe.zscore(inflight, request_id)
             found = await pipe.execute()
-        for inbox, entries in zip(due, found, strict=True):
-            if entries:  # still queued (or claimed) after the loss: the lease machinery has it
+        for inbox, score in zip(due, found, strict=True):
+            if score is not None:  # still in flight after the loss: queued, or a worker has it
                 self._watched.pop(id(inbox), None)
             elif inbox.heard:
                 continue

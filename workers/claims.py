@@ -1,5 +1,6 @@
 """How a worker takes jobs: its own stream first, then the premium lane, then the standard lane,
-with a guaranteed share for standard; lease renewal; taking over the jobs of dead workers.
+with a guaranteed share for standard, and within a lane one job per account in turn; lease renewal;
+taking over the jobs of dead workers.
 """
 
 from __future__ import annotations
@@ -14,21 +15,66 @@ from flatfare.contract import Lane
 
 Entry = tuple[bytes, dict[bytes, bytes]]
 
-# One claim pass: XREADGROUP each stream in order (KEYS), at most ARGV[3+i] from the i-th and no
-# more than ARGV[3] in all, without blocking. Returns {{i, entries}, ...} for the streams that had any.
+# One claim pass, without blocking. KEYS: 1 the worker's own stream, 2 and 3 the premium and the
+# standard lane's streams, 4 and 5 their rings of accounts, 6 and 7 their queued counters, 8 the pool's
+# wake stream. ARGV: 1 consumer group, 2 consumer, 3 free slots, 4 of them the standard lane may take,
+# 5 '1' when standard's earned slot comes first, 6 and 7 the premium and standard account queues' key
+# prefix (the account id follows).
+# A lane is served one job per account in turn: the next account of the ring (LMOVE rotates it to
+# the back) gives its oldest job, which moves into the lane's stream; the lane's stream is then read
+# through the consumer group, so a job taken is pending there, under this worker's lease, exactly as
+# before. An account whose queue empties leaves the ring. Returns {taken, wake}: taken = {{i, entries},
+# ...} (i: 1 own, 2 premium, 3 standard) and wake = the wake stream's last id, to block from.
 _PASS = """
-local free = tonumber(ARGV[3])
+local group, consumer = ARGV[1], ARGV[2]
+local free, standard_free = tonumber(ARGV[3]), tonumber(ARGV[4])
 local taken = {}
-for i, key in ipairs(KEYS) do
-  if free <= 0 then break end
-  local most = math.min(tonumber(ARGV[3 + i]), free)
-  local ok, reply = pcall(redis.call, 'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', most, 'STREAMS', key, '>')
+local function read(i, stream, most)
+  if most <= 0 then return 0 end
+  local ok, reply = pcall(redis.call, 'XREADGROUP', 'GROUP', group, consumer, 'COUNT', most, 'STREAMS', stream, '>')
+  if not ok then  -- no group: a Redis that lost its data (a job moved here just now made the stream)
+    redis.pcall('XGROUP', 'CREATE', stream, group, '0', 'MKSTREAM')
+    ok, reply = pcall(redis.call, 'XREADGROUP', 'GROUP', group, consumer, 'COUNT', most, 'STREAMS', stream, '>')
+  end
   if ok and reply and reply[1] and #reply[1][2] > 0 then
     taken[#taken + 1] = {i, reply[1][2]}
-    free = free - #reply[1][2]
+    return #reply[1][2]
   end
+  return 0
 end
-return taken
+local function serve(i, most)
+  if most <= 0 then return 0 end
+  local stream, ring, queued, prefix = KEYS[i], KEYS[i + 2], KEYS[i + 4], ARGV[i + 4]
+  local moved = 0
+  while moved < most do
+    local account = redis.call('LMOVE', ring, ring, 'LEFT', 'RIGHT')
+    if not account then break end
+    local queue = prefix .. account
+    local first = redis.call('XRANGE', queue, '-', '+', 'COUNT', 1)
+    if #first == 0 then
+      redis.call('LREM', ring, -1, account)
+    else
+      redis.call('XDEL', queue, first[1][1])
+      redis.call('XADD', stream, '*', unpack(first[1][2]))
+      redis.call('DECR', queued)
+      moved = moved + 1
+      if redis.call('XLEN', queue) == 0 then
+        redis.call('DEL', queue)
+        redis.call('LREM', ring, -1, account)
+      end
+    end
+  end
+  return read(i, stream, most)
+end
+free = free - read(1, KEYS[1], free)
+if ARGV[5] == '1' and standard_free > 0 then
+  local got = serve(3, math.min(1, free))
+  free, standard_free = free - got, standard_free - got
+end
+free = free - serve(2, free)
+serve(3, math.min(free, standard_free))
+local last = redis.call('XREVRANGE', KEYS[8], '+', '-', 'COUNT', 1)
+return {taken, last[1] and last[1][1] or '0-0'}
 """
 
 
@@ -74,8 +120,14 @@ class Claimer:
         self.worker_id = worker_id
         self.share = share or LaneShare()
         self.own = contract.worker_stream(model, worker_id)
-        self.lanes = {lane: contract.job_stream(model, lane) for lane in (Lane.PREMIUM, Lane.STANDARD)}
-        self._pass = redis.register_script(_PASS)
+        lanes = (Lane.PREMIUM, Lane.STANDARD)
+        self.lanes = {lane: contract.job_stream(model, lane) for lane in lanes}
+        self.rings = {lane: contract.lane_ring(model, lane) for lane in lanes}
+        self.queued = {lane: contract.queued_key(model, lane) for lane in lanes}
+        # account_queue(model, lane, "") is the prefix every account id completes.
+        self.queue_prefixes = {lane: contract.account_queue(model, lane, "") for lane in lanes}
+        self.wake = contract.wake_stream(model)
+        self._pass_script = redis.register_script(_PASS)
 
     async def setup(self) -> None:
         for stream in (self.own, *self.lanes.values()):
@@ -86,37 +138,33 @@ class Claimer:
                                              block=block)
         return [entry for _stream, entries in result or [] for entry in entries]
 
-    async def claim(self, free: int, block_ms: int = 1000) -> list[Claimed]:
-        """Up to ``free`` new jobs, in lane order; blocks up to ``block_ms`` when there are none."""
+    async def claim(self, free: int, block_ms: int = 1000, standard_free: int | None = None) -> list[Claimed]:
+        """Up to ``free`` new jobs, in lane order, at most ``standard_free`` of them (default: all)
+        from the standard lane; blocks up to ``block_ms`` when there are none."""
+        claimed, wake = await self._pass(free, free if standard_free is None else standard_free)
+        if claimed or free <= 0:
+            return claimed
+        # Nothing anywhere: wait for the next admission to this pool (from the id the pass saw, so
+        # one that came in since is not missed), then look once more.
+        await self.redis.xread({self.wake: wake}, count=1, block=block_ms)
+        claimed, _ = await self._pass(free, free if standard_free is None else standard_free)
+        return claimed
+
+    async def _pass(self, free: int, standard_free: int) -> tuple[list[Claimed], bytes | str]:
         premium, standard = self.lanes[Lane.PREMIUM], self.lanes[Lane.STANDARD]
-        # (stream, lane, most to take): standard's earned slot comes before premium.
-        order: list[tuple[str, Lane | None, int]] = [(self.own, None, free)]
-        if self.share.standard_first():
-            order.append((standard, Lane.STANDARD, 1))
-        order += [(premium, Lane.PREMIUM, free), (standard, Lane.STANDARD, free)]
+        keys = [self.own, premium, standard, *self.rings.values(), *self.queued.values(), self.wake]
+        args = [contract.POOL_GROUP, self.worker_id, free, standard_free, int(self.share.standard_first()),
+                *self.queue_prefixes.values()]
+        taken, wake = await self._pass_script(keys=keys, args=args)
+        streams = {1: (self.own, None), 2: (premium, Lane.PREMIUM), 3: (standard, Lane.STANDARD)}
         claimed: list[Claimed] = []
-        # The whole pass is one script (it was a round trip per stream, three a claim when idle).
-        taken = await self._pass(keys=[stream for stream, _, _ in order],
-                                 args=[contract.POOL_GROUP, self.worker_id, free, *(most for _, _, most in order)])
         for index, entries in taken:
-            stream, lane, _ = order[int(index) - 1]
+            stream, lane = streams[int(index)]
             parsed: list[Entry] = [(entry_id, dict(zip(fields[::2], fields[1::2], strict=True)))
                                    for entry_id, fields in entries]
             claimed.append(Claimed(stream, lane, parsed))
             self.share.took(lane, len(parsed))
-            free -= len(parsed)
-        if claimed or free <= 0:
-            return claimed
-        # Nothing anywhere: wait on all three at once, one job each at most.
-        streams = {self.own: ">", self.lanes[Lane.PREMIUM]: ">", self.lanes[Lane.STANDARD]: ">"}
-        result = await self.redis.xreadgroup(contract.POOL_GROUP, self.worker_id, streams, count=1, block=block_ms)
-        lanes_by_stream = {self.own: None, **{s: lane for lane, s in self.lanes.items()}}
-        for raw_stream, entries in result or []:
-            stream = raw_stream.decode() if isinstance(raw_stream, bytes) else raw_stream
-            if entries:
-                claimed.append(Claimed(stream, lanes_by_stream[stream], list(entries)))
-                self.share.took(lanes_by_stream[stream], len(entries))
-        return claimed
+        return claimed, wake
 
     async def renew(self, held: dict[str, list[bytes]]) -> set[tuple[str, bytes]]:
         """Reset the idle time of the jobs this worker holds, so nobody takes them over. Returns the

@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from flatfare import contract
-from flatfare.contract import Endpoint, Job, Reply, ReplyKind, Usage, WorkerInfo, WorkerState
+from flatfare.contract import Endpoint, Job, Lane, Reply, ReplyKind, Usage, WorkerInfo, WorkerState
 from flatfare.logs import bind, prompts_enabled
 from flatfare.workers.claims import Claimed, Claimer
 from flatfare.workers.metrics import WorkerMetrics
@@ -77,8 +77,12 @@ def _usage(payload: dict[str, Any]) -> Usage | None:
 class WorkerLoop:
     def __init__(self, redis: aioredis.Redis, engine: EngineLike, info: WorkerInfo,
                  drain_timeout_s: float = 30.0, metrics: WorkerMetrics | None = None,
-                 lease_s: float = contract.DEFAULT_LEASE_S, presence: Presence | None = None) -> None:
+                 lease_s: float = contract.DEFAULT_LEASE_S, presence: Presence | None = None,
+                 premium_reserve: int = 0) -> None:
         self.redis = redis
+        # Slots the standard lane may not fill: under a standard backlog a premium job still finds
+        # one free (and vLLM's priority scheduling runs it first), instead of waiting for one to end.
+        self.premium_reserve = premium_reserve
         self.engine = engine
         self.info = info
         self.drain_timeout_s = drain_timeout_s
@@ -169,8 +173,10 @@ class WorkerLoop:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
+            standard = sum(1 for _, _, job in self.entries.values() if job.lane is Lane.STANDARD)
+            standard_free = min(free, max(self.info.capacity - self.premium_reserve - standard, 0))
             try:
-                claimed = await self.claimer.claim(free)
+                claimed = await self.claimer.claim(free, standard_free=standard_free)
             except REDIS_DOWN as exc:
                 await self._redis_failed(exc)
                 continue

@@ -115,8 +115,9 @@ async def serve(settings: WorkerSettings, progress: Callable[[str], None] = log.
     if settings.metrics_port >= 0:
         info.extra["metrics_port"] = metrics.serve(settings.metrics_host, settings.metrics_port)
         progress(f"metrics on http://{settings.metrics_host}:{info.extra['metrics_port']}/metrics")
+    reserve = settings.premium_reserve if settings.premium_reserve >= 0 else capacity // 8
     loop = WorkerLoop(redis, engine, info, drain_timeout_s=settings.drain_timeout_s, metrics=metrics,
-                      lease_s=settings.job_lease_s, presence=presence)
+                      lease_s=settings.job_lease_s, presence=presence, premium_reserve=min(reserve, capacity - 1))
     metrics.watch(lambda: len(loop.inflight), capacity, lambda: loop.draining)
     running = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -32,8 +32,9 @@ RETRY_EVERY_S = 0.2
 
 # (key, reply fields, set the reply TTL, the request's begun marker to set or "", done) for a reply;
 # (stream, entry id, False, the begun marker to delete or "", done) for an acknowledgement;
-# (key, amount, False, "", None) for a counter.
-_Pending = tuple[str, dict[str, str] | bytes | int, bool, str, asyncio.Future[None] | None]
+# (key, amount, False, "", None) for a counter; (in-flight set, request id, False, "", None) for the end
+# of a request's time in flight.
+_Pending = tuple[str, dict[str, str] | bytes | int | str, bool, str, asyncio.Future[None] | None]
 
 
 class ReplyWriter:
@@ -62,8 +63,11 @@ class ReplyWriter:
         self._wake.set()
 
     async def send_and_wait(self, job: Job, reply: Reply) -> None:
-        """Queue a terminal reply and return once it (and everything queued before it) is in Redis."""
+        """Queue a terminal reply and return once it (and everything queued before it) is in Redis.
+        The request leaves its account's and key's in-flight sets in the same batch, before the
+        reply: a client that sends its next request on reading this one's answer finds the slot free."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending += [(key, job.request_id, False, "", None) for key in job.inflight_keys()]
         self._pending.append(_entry(job, reply, True, done))
         self._wake.set()
         await done
@@ -94,6 +98,9 @@ class ReplyWriter:
                     for key, fields, set_ttl, begun, _ in batch:
                         if isinstance(fields, int):  # a counter
                             pipe.incrby(key, fields)
+                            continue
+                        if isinstance(fields, str):  # out of an in-flight set
+                            pipe.zrem(key, fields)
                             continue
                         if isinstance(fields, bytes):  # an acknowledgement
                             pipe.xack(key, contract.POOL_GROUP, fields)

@@ -36,6 +36,8 @@ class WorkerSettings(CommonSettings):
     engine_options: dict[str, object] = Field(default_factory=dict)
     # Jobs held at once; 0 means the engine's batch capacity (max_num_seqs).
     max_inflight: int = 0
+    # Of those, slots the standard lane may not fill, kept for premium jobs; -1: an eighth of them.
+    premium_reserve: int = -1
     # On SIGTERM, how long running jobs may take to finish before they are handed back.
     drain_timeout_s: float = 30.0
     # A job this worker holds but stops renewing (it died) is taken over after this long.

@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 from flatfare.billing.ledger import Charge, DuplicateIdempotencyKey, Ledger, Outcome
 from flatfare.billing.plans import AccountTerms, QuotaWindow, quota_window
 from flatfare.billing.quota import DailyQuota, QuotaUnavailable, expiry
+from flatfare import contract
 from flatfare.contract import Endpoint, Job, Reply, ReplyKind
 from flatfare.logs import bind
 from flatfare.storage.db import DATABASE_DOWN
@@ -37,7 +38,7 @@ from flatfare.gateway.pools import Pools
 from flatfare.gateway.openai.capabilities import check_capabilities
 from flatfare.gateway.openai.checks import (IDEMPOTENCY_WINDOW_S, check_caps, check_fits, check_key_allows,
                                     deadline_ms_of, expired, idempotency_key_of, parse_body)
-from flatfare.gateway.queueing import KeyQuotaSpent, LaneQueue, QuotaClaim, QuotaSpent, Queued
+from flatfare.gateway.queueing import KeyQuotaSpent, LaneQueue, QuotaClaim, QuotaSpent, Queued, TooManyInFlight
 from flatfare.gateway.quota_headers import ratelimit_headers
 from flatfare.gateway.replies import JOB_LOST, Inbox, Replies, ReplyRouter, timed_out
 from flatfare.gateway.openai.screen import RequestScreen
@@ -56,6 +57,8 @@ CLIENT_CLOSED = 499
 WATCH_AFTER_S = 0.05
 # How long an answer's end waits for its ledger row to close before leaving that to the background.
 CLOSE_WAIT_S = 2.0
+# An in-flight entry outlives its request's timeout by this much before it stops counting.
+INFLIGHT_SLACK_S = 60.0
 
 
 def new_request_id() -> str:
@@ -251,15 +254,20 @@ class CompletionService:
         inbox = self._router.follow(admission.request_id) if idempotency_key else self._router.open(admission.request_id)
         job = Job(request_id=admission.request_id, endpoint=endpoint, body=orjson.dumps(body).decode(),
                   enqueued_ms=admission.created_ms, lane=terms.plan.lane, deadline_ms=deadline_ms, prefix=prefix,
-                  reply_to="" if idempotency_key else self._router.stream)
+                  reply_to="" if idempotency_key else self._router.stream, account_id=caller.account_id,
+                  key_id=caller.key_id)
+        # An in-flight entry left by a process that died stops counting once the request would have
+        # timed out anyway.
+        inflight_expires_ms = admission.created_ms + int((self._router.timeout_s + INFLIGHT_SLACK_S) * 1000)
         claim = QuotaClaim(caller.account_id, window.day, terms.daily_limit, expiry(window.resets_at),
-                           caller.key_id, caller.key.daily_limit)
+                           caller.key_id, caller.key.daily_limit, terms.max_inflight, caller.key.max_inflight,
+                           inflight_expires_ms)
         try:
             routed = await self._prefixes.target(pool.name, prefix, pool.workers)
             admitted = await self._queue.admit(job, pool.name, claim, routed)
         except BaseException as exc:
             self._router.close(inbox)
-            if not isinstance(exc, (QuotaSpent, APIError)):  # the script may have run before Redis went away
+            if not isinstance(exc, (QuotaSpent, TooManyInFlight, APIError)):  # the script may have run before Redis went away
                 self._held.give_back_later(caller.account_id, window.day, admission.request_id, "", caller.key_id)
             if idempotency_key:  # its row is open: close it, free
                 code, status = ((exc.code, exc.status) if isinstance(exc, APIError) else ("not_queued", 503))
@@ -267,7 +275,8 @@ class CompletionService:
                                                                        billable=False))
             raise self._refusal(exc, terms, window, now, caller) from None
         admission = replace(admission, generation=admitted.generation)
-        self._router.admitted(inbox, admitted.queued.stream, admitted.queued.entry_id, admitted.generation)
+        self._router.admitted(inbox, contract.inflight_key(caller.account_id), admission.request_id,
+                              admitted.generation)
         call.ratelimit = ratelimit_headers(terms.daily_limit, admitted.used, window, now)
         if caller.key.daily_limit is not None:
             call.ratelimit = {**call.ratelimit, **_key_ratelimit(caller.key.daily_limit, admitted.key_used)}
@@ -279,6 +288,14 @@ class CompletionService:
     def _refusal(self, exc: BaseException, terms: AccountTerms, window: QuotaWindow, now: datetime,
                  caller: Caller) -> BaseException:
         """The client's error for a request the admission script refused (nothing was counted)."""
+        if isinstance(exc, TooManyInFlight):
+            if exc.key:
+                return APIError(429, f"The API key {caller.key.label} has {exc.inflight} requests in flight, the most "
+                                f"it may have at once ({caller.key.max_inflight}); retry when one has finished.",
+                                code="key_too_many_inflight", headers={"Retry-After": "1"})
+            return APIError(429, f"Your account has {exc.inflight} requests in flight, the most it may have at "
+                            f"once ({terms.max_inflight} on the {terms.plan.name} plan); retry when one has finished.",
+                            code="too_many_inflight", headers={"Retry-After": "1"})
         if isinstance(exc, KeyQuotaSpent):
             seconds = window.seconds_left(now)
             return APIError(
@@ -318,6 +335,7 @@ class CompletionService:
         dies meanwhile still has it settled by the reaper."""
         if not admission.owner:
             return
+        self._held.ended(admission.request_id, admission.account_id, admission.key_id)
         closing = self._ledger.start_close(admission.request_id, outcome)
         self._metrics.finished(admission.model, admission.lane, outcome.status.value, queue_ms=outcome.queue_ms,
                                prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens)

@@ -115,12 +115,12 @@ def _all_closed(stack: Stack, account_id: int) -> bool:
 
 
 def _queue(stack: Stack, model: str) -> tuple[int, int]:
-    """(entries in the model's standard lane, of which a worker holds)."""
+    """(jobs on the model's standard lane, waiting or held by a worker; of which a worker holds)."""
     stream = contract.job_stream(model)
     with _redis(stack) as client:
-        if not client.exists(stream):
-            return 0, 0
-        return client.xlen(stream), client.xpending(stream, contract.POOL_GROUP)["pending"]
+        waiting = int(client.get(contract.queued_key(model, contract.Lane.STANDARD)) or 0)
+        held = client.xpending(stream, contract.POOL_GROUP)["pending"] if client.exists(stream) else 0
+        return waiting + held, held
 
 
 def _chat(model: str, content: str, **fields: object) -> dict[str, object]:

@@ -47,7 +47,8 @@ def _queue_is_empty(stack) -> bool:
     try:
         stream = contract.job_stream(stack.model)
         pending = client.xpending(stream, contract.POOL_GROUP)["pending"]
-        return client.xlen(stream) == 0 and pending == 0
+        waiting = int(client.get(contract.queued_key(stack.model, contract.Lane.STANDARD)) or 0)
+        return client.xlen(stream) == 0 and pending == 0 and waiting == 0
     finally:
         client.close()
 

@@ -15,8 +15,9 @@ from flatfare.billing.quota import EPOCH_KEY, DailyQuota, counter_key, expiry
 from flatfare import contract
 from flatfare.contract import Endpoint, Job, Lane, Reply, ReplyKind, Usage
 from flatfare.gateway.errors import APIError
-from flatfare.gateway.queueing import LaneLimits, LaneQueue, QuotaClaim, QuotaSpent
+from flatfare.gateway.queueing import LaneLimits, LaneQueue, QuotaClaim, QuotaSpent, TooManyInFlight
 from flatfare.gateway.replies import ReplyRouter
+from flatfare.redis_conn import connect
 
 POOL = "m"
 
@@ -39,6 +40,16 @@ def _queue(redis, max_depth: int = 1000, ledger: dict[tuple[int, str], int] | No
     return LaneQueue(redis, {lane: LaneLimits(max_depth, 60.0) for lane in Lane}, DailyQuota(redis, counts))
 
 
+async def _waiting(redis, lane: Lane = Lane.STANDARD) -> int:
+    """Jobs waiting on the lane, by its counter, checked against its accounts' queues."""
+    counted = int(await redis.get(contract.queued_key(POOL, lane)) or 0)
+    accounts = await redis.lrange(contract.lane_ring(POOL, lane), 0, -1)
+    assert len(set(accounts)) == len(accounts), f"an account twice in the ring: {accounts}"
+    queues = [await redis.xlen(contract.account_queue(POOL, lane, a.decode())) for a in accounts]
+    assert all(queues) and sum(queues) == counted, f"counter {counted}, queues {queues}"
+    return counted
+
+
 def _job(i: int) -> Job:
     return Job(request_id=f"r{i}", endpoint=Endpoint.CHAT, body="{}", enqueued_ms=0, reply_to="ff:replies:g")
 
@@ -51,7 +62,8 @@ async def test_admit_counts_and_queues_exactly_the_limit_under_concurrency(redis
     assert len(admitted) == 60
     assert all(isinstance(o, QuotaSpent) for o in outcomes if isinstance(o, BaseException))
     assert int(await redis.get(counter_key(1, claim.day))) == 60
-    assert await redis.xlen(contract.job_stream(POOL, Lane.STANDARD)) == 60
+    assert await _waiting(redis) == 60
+    assert await redis.zcard(contract.inflight_key(1)) == 60
     assert sorted(a.used for a in admitted) == list(range(1, 61))
 
 
@@ -63,7 +75,7 @@ async def test_a_full_lane_refuses_without_counting(redis) -> None:
         await queue.admit(_job(2), POOL, claim)
     assert refused.value.status == 429 and refused.value.code == "queue_full"
     assert int(await redis.get(counter_key(2, claim.day))) == 2  # the refused one cost no unit
-    assert await redis.xlen(contract.job_stream(POOL, Lane.STANDARD)) == 2
+    assert await _waiting(redis) == 2 and await redis.zcard(contract.inflight_key(2)) == 2
 
 
 async def test_a_spent_quota_queues_nothing(redis) -> None:
@@ -72,7 +84,7 @@ async def test_a_spent_quota_queues_nothing(redis) -> None:
     with pytest.raises(QuotaSpent) as spent:
         await queue.admit(_job(1), POOL, claim)
     assert spent.value.used == 1
-    assert await redis.xlen(contract.job_stream(POOL, Lane.STANDARD)) == 1
+    assert await _waiting(redis) == 1
 
 
 async def test_lost_counters_are_rebuilt_from_the_ledger_before_admitting(redis) -> None:
@@ -135,7 +147,7 @@ async def test_admission_survives_a_script_flush(redis) -> None:
     await redis.script_flush()  # a restarted server: the script is loaded again on first use
     admitted = await asyncio.gather(*(queue.admit(_job(i), POOL, claim) for i in range(20)))
     assert sorted(a.used for a in admitted) == list(range(1, 21))
-    assert await redis.xlen(contract.job_stream(POOL, Lane.STANDARD)) == 20
+    assert await _waiting(redis) == 20
 
 
 async def test_an_admitted_unit_is_held_and_given_back_at_most_once(redis) -> None:
@@ -168,19 +180,19 @@ async def _no_counts(days: list[str], leave_out: tuple[str, ...] = ()) -> dict[t
 
 
 async def test_after_a_loss_only_jobs_gone_from_redis_and_silent_are_answered_lost(redis) -> None:
-    """Once the counters' generation changes, the router watches what it holds: a job whose entry
-    is still queued is left alone (a false alarm), one whose worker says HELD lives on, and one gone
-    from Redis and silent for ``lost_after_s`` (at two looks) gets 503 job_lost."""
+    """Once the counters' generation changes, the router watches what it holds: a request still in
+    its account's in-flight set is left alone (a false alarm), one whose worker says HELD lives on,
+    and one gone from Redis and silent for ``lost_after_s`` (at two looks) gets 503 job_lost."""
     router = ReplyRouter(redis, timeout_s=60.0, gateway_id="g3", lost_after_s=1.0)
     await redis.set(EPOCH_KEY, "gen-1")
     router.start()
     try:
-        stream = contract.job_stream(POOL)
+        inflight = contract.inflight_key(1)
         queued, held, lost = router.open("q"), router.open("h"), router.open("l")
         for inbox in (queued, held, lost):
-            entry_id = (await redis.xadd(stream, {"i": inbox.request_id})).decode()
-            router.admitted(inbox, stream, entry_id, "gen-1")
-        await redis.xdel(stream, held.entry[1], lost.entry[1])  # their entries went with the data
+            await redis.zadd(inflight, {inbox.request_id: time.time() * 1000 + 60_000})
+            router.admitted(inbox, inflight, inbox.request_id, "gen-1")
+        await redis.zrem(inflight, "h", "l")  # their entries went with the data
         await redis.set(EPOCH_KEY, "gen-2")
         replies = contract.gateway_replies("g3")
         answer: list[Reply] = []
@@ -194,3 +206,58 @@ async def test_after_a_loss_only_jobs_gone_from_redis_and_silent_are_answered_lo
         assert await queued.next(0.01) == [] and await held.next(0.01) == []  # HELD is not an answer
     finally:
         await router.stop()
+
+
+# -- requests in flight ---------------------------------------------------------------------------
+
+def _inflight_claim(account: int, cap: int | None, key_id: int | None = None, key_cap: int | None = None,
+                    limit: int | None = 1000) -> QuotaClaim:
+    window = quota_window("UTC", datetime.now(UTC))
+    return QuotaClaim(account, window.day, limit, expiry(window.resets_at), key_id, None, cap, key_cap,
+                      int(time.time() * 1000) + 60_000)
+
+
+async def test_the_inflight_cap_is_exact_across_gateway_processes_and_costs_nothing(redis, redis_url) -> None:
+    """Two gateway processes (two clients, two queues) admit 100 requests of one account at once
+    against a cap of 5: exactly 5 are in flight, and the 95 refusals counted no unit and queued
+    nothing. When one request ends (its worker takes it out of the set), one more fits."""
+    other = connect(redis_url)
+    try:
+        queues = [_queue(redis), _queue(other)]
+        claim = _inflight_claim(20, 5)
+        outcomes = await asyncio.gather(*(queues[i % 2].admit(_job(i), POOL, claim) for i in range(100)),
+                                        return_exceptions=True)
+    finally:
+        await other.aclose()
+    refused = [o for o in outcomes if isinstance(o, BaseException)]
+    assert len(refused) == 95 and all(isinstance(o, TooManyInFlight) and not o.key for o in refused)
+    assert {o.inflight for o in refused} == {5}
+    assert int(await redis.get(counter_key(20, claim.day))) == 5
+    assert await _waiting(redis) == 5 and await redis.zcard(contract.inflight_key(20)) == 5
+    with pytest.raises(TooManyInFlight):
+        await _queue(redis).admit(_job(100), POOL, claim)
+    await redis.zrem(contract.inflight_key(20), (await redis.zrange(contract.inflight_key(20), 0, 0))[0])
+    again = await _queue(redis).admit(_job(101), POOL, claim)
+    assert again.used == 6
+
+
+async def test_the_key_inflight_cap_binds_below_the_account_s(redis) -> None:
+    queue = _queue(redis)
+    capped, free = _inflight_claim(21, 10, key_id=7, key_cap=2), _inflight_claim(21, 10, key_id=8)
+    for i in range(2):
+        await queue.admit(_job(i), POOL, capped)
+    with pytest.raises(TooManyInFlight) as busy:
+        await queue.admit(_job(2), POOL, capped)
+    assert busy.value.key and busy.value.inflight == 2
+    await queue.admit(_job(3), POOL, free)  # another key of the account is not held up
+    assert int(await redis.get(counter_key(21, capped.day))) == 3
+    assert await redis.zcard(contract.key_inflight_key(7)) == 2 and await redis.zcard(contract.inflight_key(21)) == 3
+
+
+async def test_an_inflight_entry_left_by_a_dead_process_stops_counting_when_it_expires(redis) -> None:
+    queue, claim = _queue(redis), _inflight_claim(22, 1)
+    await queue.admit(_job(0), POOL, claim)
+    with pytest.raises(TooManyInFlight):
+        await queue.admit(_job(1), POOL, claim)
+    await redis.zadd(contract.inflight_key(22), {"r0": time.time() * 1000 - 1})  # its time is up
+    await queue.admit(_job(2), POOL, claim)

@@ -74,7 +74,7 @@ async def test_a_keys_cap_holds_exactly_across_two_gateways_and_a_refusal_counts
     assert await _count(redis, key_counter_key(12, claim.day)) == 1
     # The thirty refusals counted nothing for the account, queued nothing and hold nothing.
     assert await _count(redis, counter_key(1, claim.day)) == 16
-    assert await redis.xlen(contract.job_stream(POOL, Lane.STANDARD)) == 16
+    assert await redis.get(contract.queued_key(POOL, Lane.STANDARD)) == b"16"
     held = [v for g in gateways for v in (await redis.hgetall(g.holder)).values()]
     assert sorted(held) == sorted([f"1:{claim.day}:11".encode()] * 15 + [f"1:{claim.day}:12".encode()])
 

@@ -54,7 +54,7 @@ async def test_the_static_depth_bound_refuses_at_once(redis) -> None:
     with pytest.raises(APIError) as refused:
         await _admit(queue, 3)
     assert refused.value.status == 429 and refused.value.code == "queue_full"
-    assert await redis.xlen(contract.job_stream(POOL, Lane.STANDARD)) == 3  # nothing added
+    assert await redis.get(contract.queued_key(POOL, Lane.STANDARD)) == b"3"  # nothing added
 
 
 async def test_a_burst_after_a_trickle_is_not_bounded_by_the_trickle(redis) -> None:
@@ -62,15 +62,16 @@ async def test_a_burst_after_a_trickle_is_not_bounded_by_the_trickle(redis) -> N
     what its workers can do: a burst after it is queued, not refused."""
     clock = Clock()
     queue = _queue(redis, clock, max_wait_s=2.0)
-    stream = contract.job_stream(POOL, Lane.STANDARD)
+    taken = [contract.account_queue(POOL, Lane.STANDARD, 1), contract.lane_ring(POOL, Lane.STANDARD),
+             contract.queued_key(POOL, Lane.STANDARD)]
     for i in range(6):  # one request every 3 s, each taken at once: the lane is empty at every admission
         await _admit(queue, i)
-        await redis.delete(stream)
+        await redis.delete(*taken)
         await redis.incr(contract.drained_key(POOL, Lane.STANDARD))
         clock.now += 3
     for i in range(6, 46):  # then forty at once
         await _admit(queue, i)
-    assert await redis.xlen(stream) == 40
+    assert await redis.get(contract.queued_key(POOL, Lane.STANDARD)) == b"40"
 
 
 async def test_a_sustained_backlog_is_bounded_by_its_drain_rate(redis) -> None:

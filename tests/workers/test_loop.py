@@ -10,13 +10,18 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 
 from flatfare import contract
+from flatfare.billing.plans import quota_window
+from flatfare.billing.quota import EPOCH_KEY, expiry
 from flatfare.contract import Endpoint, Job, Lane, Reply, ReplyKind, Usage, WorkerInfo
+from flatfare.gateway.queueing import LaneLimits, LaneQueue, QuotaClaim
 from flatfare.redis_conn import connect
 from flatfare.workers.claims import Claimer
 from flatfare.workers.instant import FILLER, InstantEngine
@@ -74,8 +79,14 @@ def _job(request_id: str, body: dict[str, Any] | None = None, *, endpoint: Endpo
                reply_to=reply_to)
 
 
-async def _queue(redis: aioredis.Redis, job: Job) -> bytes:
-    return await redis.xadd(contract.job_stream(POOL, job.lane), job.to_fields())
+async def _queue(redis: aioredis.Redis, job: Job, account_id: int = 1) -> None:
+    """Put the job where a gateway's admission puts it: its account's queue on its lane."""
+    await redis.set(EPOCH_KEY, 1, nx=True)
+    queue = LaneQueue(redis, {lane: LaneLimits(1000, 60.0) for lane in Lane})
+    window = quota_window("UTC", datetime.now(UTC))
+    job = replace(job, account_id=account_id)
+    await queue.admit(job, POOL, QuotaClaim(account_id, window.day, None, expiry(window.resets_at),
+                                            inflight_expires_ms=now_ms() + 60_000))
 
 
 async def _replies(redis: aioredis.Redis, request_id: str, stream: str = GATEWAY_INBOX) -> list[Reply]:
@@ -118,6 +129,9 @@ async def test_a_job_is_claimed_run_answered_acked_and_deleted(redis, start_work
     await start_worker()
     await _queue(redis, _job("r1", {**CHAT, "max_tokens": 3}))
     [reply] = await _answered(redis, "r1")
+    # Out of its account's in-flight set before the answer was written: a client that sends its next
+    # request on reading this answer finds the slot free.
+    assert await redis.zcard(contract.inflight_key(1)) == 0
     assert (reply.kind, reply.status, reply.usage) == (ReplyKind.RESPONSE, 200, Usage(8, 3))
     assert reply.started_ms > 0 and reply.first_token_ms >= reply.started_ms
     body = json.loads(reply.data)
@@ -217,7 +231,8 @@ async def test_the_drain_stops_claiming_and_finishes_running_jobs(redis, start_w
         assert [r.kind for r in replies] == [ReplyKind.CHUNK] * 20 + [ReplyKind.END]
     stream = contract.job_stream(POOL, Lane.STANDARD)
     # The third was never claimed: still queued, delivered to nobody, for another worker to take.
-    assert await redis.xlen(stream) == 1 and (await redis.xpending(stream, contract.POOL_GROUP))["pending"] == 0
+    assert await redis.get(contract.queued_key(POOL, Lane.STANDARD)) == b"1"
+    assert (await redis.xpending(stream, contract.POOL_GROUP))["pending"] == 0
     assert await _replies(redis, "waiting") == []
     assert await redis.zscore(contract.pool_key(POOL), "w1") is None  # it left the pool
 
@@ -225,12 +240,14 @@ async def test_the_drain_stops_claiming_and_finishes_running_jobs(redis, start_w
 async def test_a_job_that_outlasts_the_drain_is_handed_back(redis, start_worker) -> None:
     engine = InstantEngine(tokens=10_000, token_delay_s=0.01)
     worker = await start_worker(engine, drain_timeout_s=0.3)
-    entry_id = await _queue(redis, _job("long", {**CHAT, "stream": True}))
+    await _queue(redis, _job("long", {**CHAT, "stream": True}))
     await _eventually(lambda: _replies(redis, "long"))
+    stream = contract.job_stream(POOL, Lane.STANDARD)
+    [held] = await redis.xpending_range(stream, contract.POOL_GROUP, "-", "+", 10)
+    entry_id = held["message_id"]
     await worker.stop()
     assert not any(r.kind.terminal for r in await _replies(redis, "long"))
     assert engine.unfinished_requests() == 0  # the engine request was aborted
     # Still pending, and idle enough for a live worker's takeover pass to take at once.
-    stream = contract.job_stream(POOL, Lane.STANDARD)
     taken = await Claimer(redis, POOL, "w2").take_over(10, int(contract.DEFAULT_LEASE_S * 1000), set())
     assert [(c.stream, [e[0] for e in c.entries], c.reclaimed) for c in taken] == [(stream, [entry_id], True)]
