@@ -319,9 +319,9 @@ class Tally:
     cut: int = 0
     lost: int = 0
     lost_examples: list[str] = field(default_factory=list)
-    # Answered requests the scenario knows the quota day of (day_boundary: sent while every clock
-    # stood before midnight, or once every clock had passed it): day -> count, a floor for the ledger's.
-    answered_on: Counter[str] = field(default_factory=Counter)
+    # Answered requests whose quota day the scenario knows, request id -> day (day_boundary: sent while
+    # every clock stood before midnight, or once every clock had passed it); run_scenario checks the ledger.
+    known_days: dict[str, str] = field(default_factory=dict)
 
     @property
     def sent(self) -> int:
@@ -348,8 +348,8 @@ class Clients:
         self._next += 1
         return live[self._next % len(live)]
 
-    async def one(self) -> bool:
-        """Send one request and classify its answer; True if it was answered."""
+    async def one(self) -> str | None:
+        """Send one request and classify its answer; the request id (x-request-id) if it was answered."""
         port = self._port()
         stream = self._random.random() < self._stream_share
         body = {"model": self.rig.model, "messages": [{"role": "user", "content": "hi"}], "stream": stream,
@@ -361,13 +361,16 @@ class Clients:
                 async with self._client.stream("POST", url, json=body, headers=headers) as response:
                     if response.status_code != 200:
                         self._error(await response.aread(), response.status_code)
-                        return False
+                        return None
                     if stream:
-                        return await self._read_stream(response, port)
-                    payload = orjson.loads(await response.aread())
-                    return self._answered_or_lost("choices" in payload, port, "200 without choices")
+                        answered = await self._read_stream(response, port)
+                    else:
+                        payload = orjson.loads(await response.aread())
+                        answered = self._answered_or_lost("choices" in payload, port, "200 without choices")
+                    return response.headers.get("x-request-id", "") if answered else None
         except (httpx.HTTPError, TimeoutError) as exc:
-            return self._answered_or_lost(False, port, f"{exc.__class__.__name__}: {exc}")
+            self._answered_or_lost(False, port, f"{exc.__class__.__name__}: {exc}")
+            return None
 
     async def _read_stream(self, response: httpx.Response, port: int) -> bool:
         code, done = None, False
@@ -427,6 +430,8 @@ class Row:
     tally: Tally
     audit: Audit | None
     note: str = ""
+    # Requests whose billable ledger row is not on the day the scenario knows (Tally.known_days).
+    misdated: list[str] = field(default_factory=list)
 
 
 async def _in_thread(fn: Callable[..., object], *args: object) -> None:
@@ -560,8 +565,9 @@ async def day_boundary(rig: Rig, reps: int) -> Clients:
 
     async def held_client() -> None:
         for _ in range(2 * reps):
-            if await clients.one():
-                clients.tally.answered_on[before] += 1
+            request_id = await clients.one()
+            if request_id is not None:
+                clients.tally.known_days[request_id] = before
 
     await asyncio.gather(*(held_client() for _ in range(8)))
     # Let every clock run from where it stands; from ``past`` on, every clock reads after midnight.
@@ -573,8 +579,9 @@ async def day_boundary(rig: Rig, reps: int) -> Clients:
     async def crossing_client() -> None:
         while time.monotonic() < give_up:
             sent = time.time()
-            if await clients.one() and sent >= past:
-                clients.tally.answered_on[after] += 1
+            request_id = await clients.one()
+            if request_id is not None and sent >= past:
+                clients.tally.known_days[request_id] = after
                 return
 
     await asyncio.gather(*(crossing_client() for _ in range(8)))
@@ -642,7 +649,13 @@ def run_scenario(scenario: Scenario, workdir: Path, reps: int) -> Row:
         except RuntimeError as exc:  # a part that did not start again: the row says so
             return Row(scenario.fault, reps, Tally(), rig.audit(), note=f"failed: {str(exc)[:300]}")
         audit = rig.settle(90.0)
-        return Row(scenario.fault, reps, clients.tally, audit)  # type: ignore[union-attr]
+        tally: Tally = clients.tally  # type: ignore[union-attr]
+        row = Row(scenario.fault, reps, tally, audit, misdated=_misdated(rig, tally.known_days))
+        if tally.known_days:
+            on = Counter(tally.known_days.values())
+            row.note = (", ".join(f"{n} requests sent for {day}" for day, n in sorted(on.items()))
+                        + f" (known by the clocks): {len(row.misdated) or 'none'} billed on another day")
+        return row
     finally:
         rig.stop()
 
@@ -671,7 +684,16 @@ def _cells(row: Row, commit: str) -> list[str]:
 
 def _ok(row: Row) -> bool:
     tally, audit = row.tally, row.audit
-    return audit is not None and tally.answered > 0 and tally.lost == 0 and audit.clean
+    return audit is not None and tally.answered > 0 and tally.lost == 0 and audit.clean and not row.misdated
+
+
+def _misdated(rig: Rig, known_days: dict[str, str]) -> list[str]:
+    """The requests of ``known_days`` whose billable ledger row is missing or on another day."""
+    if not known_days:
+        return []
+    billed = {str(rid): str(day) for rid, day in rig.sql("SELECT id, quota_day FROM requests WHERE billable")}
+    return [f"{rid or '(no x-request-id)'}: billed on {billed.get(rid)}, sent for {day}"
+            for rid, day in sorted(known_days.items()) if billed.get(rid) != day]
 
 
 def _by_day(by_day: dict[str, int]) -> str:
