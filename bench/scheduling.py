@@ -56,7 +56,7 @@ STANDARD_PLAN = "pro"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", type=int, default=8, help="jobs the worker of parts 1 and 2 holds at once")
-    parser.add_argument("--duration", type=float, default=45.0, help="seconds of measured load per run")
+    parser.add_argument("--duration", type=float, default=40.0, help="seconds of measured load per run")
     parser.add_argument("--settle", type=float, default=10.0, help="seconds the background load runs first")
     parser.add_argument("--calibrate", type=float, default=20.0, help="seconds of the capacity measurement")
     parser.add_argument("--max-tokens", type=int, default=16)
@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--premium-reserve", type=int, default=None,
                         help="the worker's FLATFARE_PREMIUM_RESERVE (default: the worker's own default)")
     parser.add_argument("--seed", type=int, default=19)
-    parser.add_argument("--documents", type=int, default=16, help="distinct shared prompts (routing bench)")
+    parser.add_argument("--documents", type=int, default=12, help="distinct shared prompts (routing bench)")
     parser.add_argument("--questions", type=int, default=4, help="questions per shared prompt")
     parser.add_argument("--document-words", type=int, default=300)
     parser.add_argument("--routing-concurrency", type=int, default=4)
