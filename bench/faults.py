@@ -684,7 +684,9 @@ def _cells(row: Row, commit: str) -> list[str]:
 
 def _ok(row: Row) -> bool:
     tally, audit = row.tally, row.audit
-    return audit is not None and tally.answered > 0 and tally.lost == 0 and audit.clean and not row.misdated
+    # Where the scenario knows days, each day billed is one it sent for (day_boundary: both were reached).
+    days = not tally.known_days or (audit is not None and set(tally.known_days.values()) == set(audit.billable_by_day))
+    return audit is not None and tally.answered > 0 and tally.lost == 0 and audit.clean and not row.misdated and days
 
 
 def _misdated(rig: Rig, known_days: dict[str, str]) -> list[str]:
