@@ -86,6 +86,10 @@ class EngineOptions(_In):
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool | None = None
     exclude_tools_when_tool_choice_none: bool | None = None
+    # How far vLLM (0.32 on) constrains calls to the tools' schemas: "function" the call's envelope
+    # for every request with tools, "parameter" its arguments too (as if every tool were strict), so
+    # even a small model's calls parse. "auto": only forced calls, and arguments of strict tools.
+    tool_strict_level: Literal["auto", "function", "parameter"] | None = None
     # Thinking models (DeepSeek R1, Qwen3, Kimi K2 Thinking): their reasoning comes back apart.
     reasoning_parser: str | None = None
     # A template shipped with Flatfare (by name) or an absolute path on the workers; never a request's.
@@ -133,8 +137,9 @@ class EngineOptions(_In):
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser: name the parser for the model's "
                              "tool-call format (e.g. 'hermes', 'llama3_json')")
-        if self.exclude_tools_when_tool_choice_none and not self.tool_call_parser:
-            raise ValueError("exclude_tools_when_tool_choice_none only applies with a tool_call_parser")
+        for option in ("exclude_tools_when_tool_choice_none", "tool_strict_level"):
+            if getattr(self, option) and not self.tool_call_parser:
+                raise ValueError(f"{option} only applies with a tool_call_parser")
         if self.allowed_media_domains and not self._accepts_media():
             raise ValueError("allowed_media_domains is set but limit_mm_per_prompt accepts no media: set "
                              "limit_mm_per_prompt (e.g. {\"image\": 4}) for a multimodal model")

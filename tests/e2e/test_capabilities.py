@@ -106,7 +106,7 @@ def test_models_show_context_length_capabilities_and_state(cstack: Stack, admin:
                                     "audio": False, "video": False}
     assert http.get(f"/v1/models/{MODEL}").json() == card
     smol = cards(http)["smollm2-135m-instruct"]  # pinned, no worker here: the catalog's context
-    assert smol["state"] == "unavailable" and smol["context_length"] == 2048 and smol["capabilities"]["json_mode"]
+    assert smol["state"] == "unavailable" and smol["context_length"] == 2048 and smol["capabilities"]["auto_tool_choice"]
 
 
 def test_a_request_needing_what_the_model_lacks_is_refused_free(cstack: Stack, admin: httpx.Client,

@@ -356,12 +356,8 @@ WEATHER_TOOL = {"type": "function", "function": {
                    "required": ["city"], "additionalProperties": False}}}
 
 
-# The default model's catalog entry sets no tool-call parser yet; vLLM then answers 400
-# 'tool_choice="required" requires --tool-call-parser to be set' (and the same for a named function).
-# Strict: the test fails once a parser is set, so the mark goes then.
-@pytest.mark.xfail(strict=True, raises=openai.BadRequestError,
-                   reason="the default model's worker sets no --tool-call-parser (vLLM: 400 'tool_choice=... "
-                          "requires --tool-call-parser to be set')")
+# The default model's catalog entry sets the Hermes tool-call parser (migration 0006); every mode,
+# streamed and not, is in tests/e2e/test_function_calling.py.
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
                          ids=["required", "named"])
 def test_a_forced_tool_call_parses(client: openai.OpenAI, tool_choice: Any) -> None:

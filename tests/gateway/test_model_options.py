@@ -26,7 +26,7 @@ RECIPES: dict[str, dict[str, Any]] = {
         "allowed_media_domains": ["upload.wikimedia.org"]}},
     "smollm2-135m-instruct": {"source": "builtin:smollm2-135m-instruct", "engine_options": {
         "dtype": "float32", "max_model_len": 2048, "tool_call_parser": "hermes", "enable_auto_tool_choice": True,
-        "chat_template": "chatml-tools"}},
+        "tool_strict_level": "parameter", "chat_template": "chatml-tools"}},
 }
 
 
@@ -65,6 +65,9 @@ def test_capabilities_follow_the_options() -> None:
      "absolute path"),
     ({"engine_options": {"chat_template": "templates/mine.jinja"}}, "engine_options.chat_template", "absolute path"),
     ({"engine_options": {"enable_auto_tool_choice": True}}, "engine_options", "needs tool_call_parser"),
+    ({"engine_options": {"tool_strict_level": "parameter"}}, "engine_options", "only applies with a tool_call_parser"),
+    ({"engine_options": {"tool_call_parser": "hermes", "tool_strict_level": "strict"}},
+     "engine_options.tool_strict_level", "'auto', 'function' or 'parameter'"),
     ({"engine_options": {"limit_mm_per_prompt": {"smell": 1}}}, "engine_options.limit_mm_per_prompt.smell", "Extra"),
     ({"engine_options": {"limit_mm_per_prompt": {"image": 65}}}, "engine_options.limit_mm_per_prompt.image", "64"),
     ({"engine_options": {"allowed_media_domains": ["upload.wikimedia.org"]}}, "engine_options",

