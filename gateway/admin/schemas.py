@@ -113,67 +113,7 @@ class PlanPublic(_Out):
     retired: bool
 
 
-# -- models ------------------------------------------------------------------------------------
-
-class SpeculativeConfig(_In):
-    method: Literal["ngram", "draft_model", "eagle", "eagle3", "mtp"]
-    num_speculative_tokens: Annotated[int, Field(ge=1, le=16)]
-    model: str | None = None
-    prompt_lookup_max: Annotated[int, Field(ge=1)] | None = None
-    prompt_lookup_min: Annotated[int, Field(ge=1)] | None = None
-
-
-class EngineOptions(_In):
-    """The vLLM engine options a catalog entry may set (``vllm serve``'s names)."""
-
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] | None = None
-    max_model_len: Annotated[int, Field(ge=16)] | None = None
-    tensor_parallel_size: Annotated[int, Field(ge=1, le=64)] | None = None
-    quantization: Literal["awq", "awq_marlin", "gptq", "gptq_marlin", "fp8", "compressed-tensors",
-                          "bitsandbytes"] | None = None
-    enable_prefix_caching: bool | None = None
-    speculative_config: SpeculativeConfig | None = None
-    cpu_offload_gb: Annotated[float, Field(ge=0)] | None = None
-    load_format: Literal["auto", "safetensors", "pt", "dummy", "gguf"] | None = None
-    enforce_eager: bool | None = None
-    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = None
-    max_num_seqs: Annotated[int, Field(ge=1)] | None = None
-    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] | None = None
-
-    def as_options(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True)
-
-
-class _ModelFields(_In):
-    source: Annotated[str, Field(min_length=1, max_length=512)] | None = None
-    engine_options: EngineOptions | None = None
-    plans: list[Name] | None = None
-    pinned: bool | None = None
-    min_workers: Annotated[int, Field(ge=0, le=1024)] | None = None
-    enabled: bool | None = None
-
-    _not_null = field_validator("source", "pinned", "min_workers", "enabled")(_refuse_null)
-
-
-class ModelCreate(_ModelFields):
-    name: ModelName
-    source: Annotated[str, Field(min_length=1, max_length=512)]
-
-
-class ModelUpdate(_ModelFields):
-    pass
-
-
-class ModelPublic(_Out):
-    name: str
-    source: str
-    engine_options: dict[str, Any]
-    plans: list[str] | None
-    pinned: bool
-    min_workers: int
-    enabled: bool
-    created_at: Timestamp
-    live_workers: int = 0
+# -- models: catalog_schemas.py (the wire models) and model_options.py (the engine options) ----
 
 
 # -- accounts and keys -------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from flatfare.gateway.admin import schemas
+from flatfare.gateway.admin import catalog_schemas, schemas
 from flatfare.gateway.errors import validation_error
 from tests.security.test_http import MASS_ASSIGNMENTS
 from tests.security.timing import fast
@@ -20,7 +20,7 @@ ROUTE_MODELS: dict[tuple[str, str], type[BaseModel]] = {
     ("POST", "/accounts"): schemas.AccountCreate,
     ("PATCH", "/accounts/{victim}"): schemas.AccountUpdate,
     ("POST", "/accounts/{victim}/keys"): schemas.KeyCreate,
-    ("POST", "/models"): schemas.ModelCreate,
+    ("POST", "/models"): catalog_schemas.ModelCreate,
     ("PATCH", "/plans/pro"): schemas.PlanUpdate,
     ("POST", "/tokens"): schemas.TokenCreate,
 }
