@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import importlib
 import json
+import logging
 import os
 import tempfile
 from collections.abc import AsyncIterator
@@ -30,6 +31,16 @@ MEDIA_LIMITS = {
     "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0",
     "VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB": "20",
     "VLLM_MAX_IMAGE_PIXELS": "33177600",
+}
+
+
+log = logging.getLogger("flatfare.worker")
+
+# Options newer than the oldest vLLM Flatfare supports (0.26, the GPU build), each with what an engine
+# without it does instead. Such an option in the catalog is left out there, with a warning, rather
+# than keeping the worker from starting: the catalog is shared by workers of both builds.
+NEWER_FLAGS = {
+    "--tool-strict-level": "tool calls are held to the tools' schemas only for tools marked strict",
 }
 
 
@@ -81,6 +92,22 @@ def engine_argv(model_path: str, served_name: str, options: dict[str, Any]) -> l
         else:
             argv.extend([flag, str(value)])
     return argv
+
+
+def without_unknown_newer_flags(argv: list[str], parser: Any) -> list[str]:
+    """``argv`` less the :data:`NEWER_FLAGS` (and their values) this vLLM's ``parser`` lacks."""
+    known = {option for action in parser._actions for option in action.option_strings}
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip and not arg.startswith("--"):
+            continue
+        skip = arg in NEWER_FLAGS and arg not in known
+        if skip:
+            log.warning("this vLLM has no %s, which the catalog sets: %s", arg, NEWER_FLAGS[arg])
+        else:
+            kept.append(arg)
+    return kept
 
 
 def gpus_needed(options: dict[str, Any]) -> int:
@@ -153,7 +180,7 @@ class Engine:
         self._client_errors = (client_error, ValueError, TypeError, NotImplementedError)
         parser = make_arg_parser(FlexibleArgumentParser(prog="flatfare worker"))
         try:
-            args = parser.parse_args(self._argv)
+            args = parser.parse_args(without_unknown_newer_flags(self._argv, parser))
         except SystemExit as exc:
             raise EngineError(f"vLLM refused the engine options {self._argv!r}") from exc
         # vLLM's Prometheus logger, alone: engine metrics (running/waiting requests, KV-cache use, tokens)

@@ -123,3 +123,21 @@ def test_without_tools_the_shipped_template_renders_exactly_as_smollm2s_own() ->
         for prompt in (True, False):
             assert shipped.render(messages=messages, add_generation_prompt=prompt) == \
                 own.render(messages=messages, add_generation_prompt=prompt)
+
+
+def test_an_option_the_installed_vllm_lacks_is_left_out_only_if_it_is_known_to_be_newer() -> None:
+    """A catalog shared by 0.32 and 0.26 workers: --tool-strict-level (0.32 on) must not stop a 0.26 one."""
+    import argparse
+
+    from flatfare.workers.engine import without_unknown_newer_flags
+
+    old = argparse.ArgumentParser()
+    old.add_argument("--model")
+    old.add_argument("--tool-call-parser")
+    argv = engine_argv("/m", "m", {"tool_call_parser": "hermes", "tool_strict_level": "parameter",
+                                   "max_model_len": 64})
+    assert without_unknown_newer_flags(argv, old) == ["--model", "/m", "--served-model-name", "m",
+                                                      "--tool-call-parser", "hermes", "--max-model-len", "64"]
+    new = argparse.ArgumentParser()
+    new.add_argument("--tool-strict-level")
+    assert without_unknown_newer_flags(argv, new) == argv
