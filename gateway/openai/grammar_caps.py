@@ -236,7 +236,9 @@ def _counted(pattern: str, start: int) -> tuple[int | None, int]:
 
 def constraint_digest(fields: Mapping[str, Any]) -> str | None:
     """A digest of the grammar the engine would compile for this request, or None when it compiles
-    none of its own (plain text, JSON mode, tools the model may ignore)."""
+    none of its own (plain text, JSON mode, tools with tool_choice "none"). Tools the model may
+    ignore (``auto``) count too: vLLM 0.32 compiles their schemas whenever the model's entry sets a
+    ``tool_strict_level`` (the default model's does) or a tool is ``strict``."""
     parts: dict[str, Any] = {}
     for name in CONSTRAINT_FIELDS:
         value = fields.get(name)
@@ -248,7 +250,7 @@ def constraint_digest(fields: Mapping[str, Any]) -> str | None:
             continue
         parts[name] = value
     tool_choice = fields.get("tool_choice")
-    if fields.get("tools") and (tool_choice == "required" or isinstance(tool_choice, dict)):
+    if fields.get("tools") and tool_choice != "none":
         parts["tools"] = fields["tools"]
         parts["tool_choice"] = tool_choice
     if not parts:

@@ -194,7 +194,10 @@ def test_tools_are_bounded_in_number_size_and_patterns() -> None:
 
 def test_only_requests_that_compile_a_grammar_of_their_own_have_a_digest() -> None:
     assert grammar_caps.constraint_digest({"response_format": {"type": "json_object"}}) is None
-    assert grammar_caps.constraint_digest({"tools": [tool(0)], "tool_choice": "auto"}) is None
+    assert grammar_caps.constraint_digest({"tools": [tool(0)], "tool_choice": "none"}) is None
+    # auto: compiled under a strict level (the default model's) or for a strict tool, so counted
+    assert grammar_caps.constraint_digest({"tools": [tool(0)], "tool_choice": "auto"}) is not None
+    assert grammar_caps.constraint_digest({"tools": [tool(0)]}) is not None
     one = grammar_caps.constraint_digest({"response_format": json_schema({"type": "string", "maxLength": 5})})
     same = grammar_caps.constraint_digest({"response_format": json_schema({"maxLength": 5, "type": "string"})})
     other = grammar_caps.constraint_digest({"response_format": json_schema({"type": "string", "maxLength": 6})})
