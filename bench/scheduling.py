@@ -22,9 +22,11 @@ refusal is until its whole 429 answer is read, both in this process (aiohttp).
    with prefix-aware routing on, then off (plain sharing through the lane), ``--routing-rounds``
    times; the workers start once, the gateway restarts with the switch for each run.
 
-In parts 1 and 2 the load beside the measured group (standard, the flood) starts ``--settle``
-seconds before the measured window, runs until every measured request is answered, and is then cut
-off (its open requests closed: their jobs are cancelled); the platform is idle before each run.
+In parts 1 and 2 the engine has the last core to itself and the gateway, Redis and the clients
+share the others (``--no-pin``: everything shares every core). The load beside the measured group
+(standard, the flood) starts ``--settle`` seconds before the measured window, runs until every
+measured request is answered, and is then cut off (its open requests closed: their jobs are
+cancelled); the platform is idle before each run.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import subprocess
 import tempfile
@@ -69,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flood-clients", type=int, default=100)
     parser.add_argument("--premium-reserve", type=int, default=None,
                         help="the worker's FLATFARE_PREMIUM_RESERVE (default: the worker's own default)")
+    parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                        help="parts 1 and 2: the engine on the last core, gateway, Redis and clients on the others")
     parser.add_argument("--seed", type=int, default=19)
     parser.add_argument("--documents", type=int, default=12, help="distinct shared prompts (routing bench)")
     parser.add_argument("--questions", type=int, default=4, help="questions per shared prompt")
@@ -161,10 +166,19 @@ def scenarios(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Any], 
     if args.premium_reserve is not None:
         extra_env["FLATFARE_PREMIUM_RESERVE"] = str(args.premium_reserve)
     runs: list[Run] = []
+    cores = sorted(os.sched_getaffinity(0))
+    engine_cpus = rest_cpus = None
+    if args.pin and len(cores) >= 2:
+        # The engine's CPU backend keeps its cores busy even between steps; sharing them, the gateway's
+        # refusals would time the engine's spin, not the gateway (a gateway host has its own CPUs).
+        engine_cpus, rest_cpus = str(cores[-1]), ",".join(str(c) for c in cores[:-1])
+        extra_env["VLLM_CPU_OMP_THREADS_BIND"] = engine_cpus
+        os.sched_setaffinity(0, set(cores[:-1]))  # the clients, beside the gateway
     with services() as running:
         stack = FlatfareStack(running, workdir / "scenarios", MODEL,
                               worker_args=["--engine-options", options, "--max-inflight", str(args.capacity)],
-                              extra_env=extra_env)
+                              extra_env=extra_env, gateway_cpus=rest_cpus, worker_cpus=engine_cpus,
+                              redis_cpus=rest_cpus)
         try:
             stack.start_storage()
             stack.start_worker()
@@ -216,6 +230,7 @@ def scenarios(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Any], 
                         args.duration, args.settle)
         finally:
             stack.stop()
+            os.sched_setaffinity(0, set(cores))
     return capacity, runs
 
 
