@@ -114,9 +114,11 @@ def models_list() -> None:
 @models_app.command("add")
 def models_add(name: str, source: Annotated[str, typer.Option(help="Local folder or hub id.")],
                option: Annotated[list[str] | None, typer.Option(help="Engine option FIELD=VALUE.")] = None,
-               pinned: bool = False, min_workers: int = 0) -> None:
+               pinned: bool = False, min_workers: int = 0,
+               trust_remote_code: Annotated[bool, typer.Option(
+                   help="Let the model's repository run its own code in the workers (Kimi K2, ...).")] = False) -> None:
     _call("POST", "/models", {"name": name, "source": source, "engine_options": _fields(option), "pinned": pinned,
-                              "min_workers": min_workers})
+                              "min_workers": min_workers, "trust_remote_code": trust_remote_code})
 
 
 @models_app.command("enable")

@@ -183,3 +183,16 @@ def test_the_readme_recipes_go_through_the_admin_api(cstack: Stack, admin: httpx
     audit = admin.get("/audit", params={"resource_type": "model", "resource_id": "recipe-kimi-k2"}).json()["data"]
     assert audit[0]["before"]["engine_options"]["trust_remote_code"] is True
     assert "trust_remote_code" not in audit[0]["after"]["engine_options"]
+
+
+def test_the_admin_cli_adds_an_entry_with_its_parsers_and_trust(cstack: Stack, admin: httpx.Client) -> None:
+    cstack.env.update({"FLATFARE_ADMIN_URL": cstack.base_url, "FLATFARE_ADMIN_TOKEN": cstack.admin_token})  # type: ignore[attr-defined]
+    added = cstack.cli("admin", "models", "add", "kimi-cli", "--source", "moonshotai/Kimi-K2-Instruct",
+                       "--option", "tool_call_parser=kimi_k2", "--option", "enable_auto_tool_choice=true",
+                       "--option", 'limit_mm_per_prompt={"image": 0}', "--trust-remote-code")
+    assert added.returncode == 0, added.stderr
+    entry = admin.get("/models/kimi-cli").json()
+    assert entry["trust_remote_code"] is True and entry["capabilities"]["auto_tool_choice"] is True
+    assert entry["engine_options"]["limit_mm_per_prompt"] == {"image": 0} and not entry["capabilities"]["vision"]
+    refused = cstack.cli("admin", "models", "add", "bad-cli", "--source", "x", "--option", "trust_remote_code=true")
+    assert refused.returncode != 0 and "engine_options.trust_remote_code" in refused.stderr, refused.stderr
