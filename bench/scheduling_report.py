@@ -22,7 +22,8 @@ REFUSAL_P99_GOAL_MS = 5.0
 QUEUED_GOAL_S = 60.0  # "not queued for minutes"
 
 GROUP_COLUMNS = ["run", "group", "accounts", "load", "sent", "answered", "429", "429 codes", "cut off", "other",
-                 "TTFT p50 ms", "TTFT p99 ms", "refusal p50 ms", "refusal p99 ms", "client lag p99 ms"]
+                 "TTFT p50 ms", "TTFT p99 ms", "queued p50 ms", "queued p99 ms", "refusal p50 ms", "refusal p99 ms",
+                 "client lag p99 ms"]
 
 
 def _ratio(after: float | None, before: float | None) -> float | None:
@@ -64,7 +65,8 @@ def group_rows(runs: Sequence[Run], capacity_rps: float) -> list[list[Any]]:
             s = run.summary(group.name)
             rows.append([run.name, group.name, len(group.keys), _load(group, capacity_rps), s.sent, s.answered,
                          s.refused, _codes(s), s.cut_off, s.other_errors, s.ttft_p50_ms, s.ttft_p99_ms,
-                         s.refusal_p50_ms, s.refusal_p99_ms, None if lag is None else lag * 1000])
+                         s.queue_p50_ms, s.queue_p99_ms, s.refusal_p50_ms, s.refusal_p99_ms,
+                         None if lag is None else lag * 1000])
     return rows
 
 
@@ -147,8 +149,10 @@ def scenario_sections(args: argparse.Namespace, capacity: dict[str, Any], runs: 
         plot_scenario(out / f"scheduling_{scenario}.png", scenario, mine)
         sections.append((title, "\n\n".join([
             report.markdown_table(GOAL_COLUMNS, goals),
-            "Every group of both runs (TTFT of answered requests; refusal: time to a whole 429 answer; client lag:"
-            " how late the load generator's own 10 ms timer woke, part of every time it measured):",
+            "Every group of both runs (TTFT of answered requests; queued: the gateway's `x-flatfare-queue-ms`, its"
+            " receipt to a worker starting the job, the rest of the TTFT is the engine's; refusal: time to a whole"
+            " 429 answer; client lag: how late the load generator's own 10 ms timer woke, part of every time it"
+            " measured):",
             report.markdown_table(GROUP_COLUMNS, rows),
             f"![{scenario}](scheduling_{scenario}.png)"])))
     refusals = [r for r in runs if r.scenario in ("premium", "noisy")]
@@ -176,12 +180,12 @@ def _write_raw(path: Path, runs: Sequence[Run]) -> None:
     with gzip.open(path, "wt", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["scenario", "run", "group", "account", "sent_s", "status", "code", "ttft_ms", "total_ms",
-                         "retry_after"])
+                         "retry_after", "queued_ms"])
         for run in runs:
             for o in run.result.outcomes:
                 writer.writerow([run.scenario, run.name, o.group, o.account, f"{o.sent_s:.4f}", o.status, o.code,
                                  "" if o.ttft_s is None else f"{o.ttft_s * 1000:.2f}", f"{o.total_s * 1000:.2f}",
-                                 o.retry_after or ""])
+                                 o.retry_after or "", "" if o.queue_ms is None else o.queue_ms])
 
 
 # -- plots -----------------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ class Outcome:
     ttft_s: float | None = None
     code: str = ""
     retry_after: str | None = None
+    queue_ms: float | None = None  # x-flatfare-queue-ms: the gateway's receipt to a worker starting the job
 
     @property
     def refused(self) -> bool:
@@ -93,6 +94,7 @@ async def send(session: aiohttp.ClientSession, request: Request, key: str, promp
                                code=_error_code(raw), retry_after=response.headers.get("Retry-After"))
             first: float | None = None
             code = ""
+            queue = response.headers.get("x-flatfare-queue-ms")
             async for line in response.content:
                 if not line.startswith(b"data: {"):
                     continue
@@ -100,7 +102,8 @@ async def send(session: aiohttp.ClientSession, request: Request, key: str, promp
                     first = time.perf_counter() - started
                 if b'"error":' in line:  # failed mid-stream (worker_lost, timeout)
                     code = _error_code(line[6:])
-            return Outcome(group, account, sent_s, 200, time.perf_counter() - started, first, code)
+            return Outcome(group, account, sent_s, 200, time.perf_counter() - started, first, code,
+                           queue_ms=float(queue) if queue and queue.isdigit() else None)
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         return Outcome(group, account, sent_s, NO_CONNECTION, time.perf_counter() - started, code=type(exc).__name__)
 
@@ -267,6 +270,8 @@ class GroupSummary:
     other_errors: int
     ttft_p50_ms: float | None
     ttft_p99_ms: float | None
+    queue_p50_ms: float | None
+    queue_p99_ms: float | None
     refusal_p50_ms: float | None
     refusal_p99_ms: float | None
     refusals_with_retry_after: int
@@ -282,8 +287,10 @@ class GroupSummary:
             if o.code:
                 codes[o.code] = codes.get(o.code, 0) + 1
         ttfts = [o.ttft_s for o in answered if o.ttft_s is not None]
+        queues = [o.queue_ms for o in answered if o.queue_ms is not None]
         refusal_times = [o.total_s for o in refused]
         return cls(len(outcomes), len(answered), len(refused), cut_off,
                    len(outcomes) - len(answered) - len(refused) - cut_off,
-                   ms(percentile(ttfts, 50)), ms(percentile(ttfts, 99)), ms(percentile(refusal_times, 50)),
+                   ms(percentile(ttfts, 50)), ms(percentile(ttfts, 99)), percentile(queues, 50), percentile(queues, 99),
+                   ms(percentile(refusal_times, 50)),
                    ms(percentile(refusal_times, 99)), sum(1 for o in refused if o.retry_after), codes)

@@ -37,7 +37,7 @@ async def _chat(request: web.Request) -> web.StreamResponse:
         error = {"error": {"message": "too many", "type": "rate_limit_error", "param": None,
                            "code": "too_many_inflight"}}
         return web.json_response(error, status=429, headers={"Retry-After": "1"})
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "x-flatfare-queue-ms": "12"})
     await response.prepare(request)
     try:
         if key.startswith("hang"):
@@ -75,7 +75,7 @@ async def test_each_answer_is_recorded_as_what_it_was(edge: Edge) -> None:
         broken = await send(session, request, "broken", "p", "g", 0, 0.0)
         nowhere = await send(session, Request("http://127.0.0.1:9/v1/chat/completions", "m", 4), "ok", "p", "g", 0,
                              0.0)
-    assert (ok.status, ok.code, ok.ttft_s is not None) == (200, "", True)
+    assert (ok.status, ok.code, ok.ttft_s is not None, ok.queue_ms) == (200, "", True, 12.0)
     assert (refused.status, refused.code, refused.retry_after, refused.refused) == (429, "too_many_inflight", "1",
                                                                                    True)
     assert (broken.status, broken.code) == (200, "worker_lost")
@@ -83,6 +83,7 @@ async def test_each_answer_is_recorded_as_what_it_was(edge: Edge) -> None:
     summary = GroupSummary.of([ok, refused, broken, nowhere])
     assert (summary.sent, summary.answered, summary.refused, summary.other_errors) == (4, 1, 1, 2)
     assert summary.refusals_with_retry_after == 1
+    assert summary.queue_p50_ms == 12.0
     assert summary.codes == {"too_many_inflight": 1, "worker_lost": 1, nowhere.code: 1}
     body = json.loads(request.body("hello"))
     assert body["stream"] is True and body["ignore_eos"] is True and body["messages"][0]["content"] == "hello"
