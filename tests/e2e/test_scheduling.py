@@ -12,6 +12,7 @@ import time
 from datetime import UTC, datetime
 
 import httpx
+import openai
 import pytest
 import redis as redis_sync
 
@@ -101,6 +102,62 @@ async def test_premium_flows_under_a_standard_flood_and_standard_still_progresse
     first_premium = min(t for _, t, _ in premium)
     assert any(first_premium <= t <= last_premium for t in standard_done)
     assert all(q.isdigit() for _, _, q in premium)
+
+
+async def test_a_flooding_account_does_not_hold_up_another_on_its_lane(sstack) -> None:
+    """Fair shares: one account queues 16 requests on the standard lane, then a neighbour sends two.
+    The lane serves its accounts in turn, so the neighbour's two finish before most of the flood
+    (in arrival order, a FIFO, they would finish after all of it)."""
+    neighbour = _key(sstack, "neighbour", "pro")
+    started = time.monotonic()
+    async with httpx.AsyncClient(base_url=sstack.base_url, timeout=120) as client:
+        flood = [asyncio.ensure_future(_timed(client, sstack.api_key, started)) for _ in range(16)]
+        lane, deadline = _redis(sstack), time.monotonic() + 30
+        while int(lane.get(contract.queued_key(MODEL, Lane.STANDARD)) or 0) < 10:
+            assert time.monotonic() < deadline, "the flood never queued"
+            await asyncio.sleep(0.05)
+        lane.close()
+        theirs = await asyncio.gather(*(_timed(client, neighbour, started) for _ in range(2)))
+        flooded = await asyncio.gather(*flood)
+    assert all(status == 200 for status, _, _ in theirs + flooded)
+    last_neighbour = max(t for _, t, _ in theirs)
+    assert sum(t > last_neighbour for _, t, _ in flooded) >= 8
+
+
+async def test_requests_past_the_in_flight_caps_are_refused_at_once_and_cost_nothing(sstack) -> None:
+    """A key capped at 2 in flight sends 5 at once: 2 run, 3 get 429 key_too_many_inflight through the
+    SDK; an account capped at 4 in flight sends 6: 4 run, 2 get too_many_inflight. Only the ones that ran
+    were counted and recorded."""
+    out = sstack.cli("keys", "create", "--account", "capped", "--plan", "pro", "--max-inflight", "2")
+    assert out.returncode == 0, out.stderr
+    # A free account's cap (4): the free plan does not offer this model, so a pro account holds it
+    # as its own override.
+    capped_key, free_key = out.stdout.strip(), _key(sstack, "freebie", "pro")
+    sstack.sql("UPDATE accounts SET max_inflight_override = 4 WHERE name = 'freebie'")
+    sdk = openai.AsyncOpenAI(base_url=f"{sstack.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    async def one(key: str) -> str:
+        try:
+            await sdk.chat.completions.create(model=MODEL, messages=MESSAGES, extra_headers={"Authorization": f"Bearer {key}"})
+        except openai.RateLimitError as exc:
+            assert exc.response.headers["retry-after"] == "1"
+            return exc.code or ""
+        return "ok"
+
+    capped = await asyncio.gather(*(one(capped_key) for _ in range(5)))
+    free = await asyncio.gather(*(one(free_key) for _ in range(6)))
+    await sdk.close()
+    assert sorted(capped) == ["key_too_many_inflight"] * 3 + ["ok"] * 2
+    assert sorted(free) == ["ok"] * 4 + ["too_many_inflight"] * 2
+    day = quota_window("UTC", datetime.now(UTC)).day
+    client = _redis(sstack)
+    for account, ran in (("capped", 2), ("freebie", 4)):
+        account_id = sstack.sql("SELECT id FROM accounts WHERE name = :n", n=account)[0][0]
+        assert int(client.get(counter_key(account_id, day)) or 0) == ran
+        assert sstack.sql("SELECT count(*) FROM requests WHERE account_id = :a", a=account_id)[0][0] == ran
+        # Nothing is left in flight once the answers are in.
+        assert client.zcard(contract.inflight_key(account_id)) == 0
+    client.close()
 
 
 async def test_a_full_lane_answers_429_at_once(tmp_path) -> None:
