@@ -433,6 +433,7 @@ class CompletionService:
         except DATABASE_DOWN:
             with contextlib.suppress(RedisError):
                 await self._replies.cancel(admission.request_id)
+            self._held.ended(admission.request_id, admission.account_id, admission.key_id)
             await self._give_back(admission)
             raise _ledger_unavailable() from None
 
