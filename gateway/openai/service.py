@@ -21,7 +21,7 @@ import orjson
 from redis.exceptions import RedisError
 
 from flatfare.billing.ledger import Charge, DuplicateIdempotencyKey, Ledger, Outcome
-from flatfare.billing.plans import AccountTerms, QuotaWindow, quota_window
+from flatfare.billing.plans import quota_window
 from flatfare.billing.quota import DailyQuota, QuotaUnavailable, expiry
 from flatfare import contract
 from flatfare.contract import Endpoint, Job, Reply, ReplyKind
@@ -41,6 +41,7 @@ from flatfare.gateway.openai.checks import (IDEMPOTENCY_WINDOW_S, check_caps, ch
 from flatfare.gateway.queueing import KeyQuotaSpent, LaneQueue, QuotaClaim, QuotaSpent, Queued, TooManyInFlight
 from flatfare.gateway.quota_headers import ratelimit_headers
 from flatfare.gateway.replies import JOB_LOST, Inbox, Replies, ReplyRouter, timed_out
+from flatfare.gateway.openai.refusals import key_ratelimit, refusal
 from flatfare.gateway.openai.screen import RequestScreen
 from flatfare.gateway.openai.prompt_length import TokenCounter, check_prompt_length
 
@@ -63,12 +64,6 @@ INFLIGHT_SLACK_S = 60.0
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
-
-
-def _key_ratelimit(limit: int, used: int) -> dict[str, str]:
-    """The key's own cap beside the account's headers (which stay the account's)."""
-    return {"x-ratelimit-limit-requests-key": str(limit),
-            "x-ratelimit-remaining-requests-key": str(max(limit - used, 0))}
 
 
 def _billable(reply: Reply) -> bool:
@@ -273,51 +268,19 @@ class CompletionService:
                 code, status = ((exc.code, exc.status) if isinstance(exc, APIError) else ("not_queued", 503))
                 await self._ledger.close(admission.request_id, Outcome(RequestStatus.FAILED, status, error_code=code,
                                                                        billable=False))
-            raise self._refusal(exc, terms, window, now, caller) from None
+            if isinstance(exc, QuotaSpent) and not isinstance(exc, KeyQuotaSpent):
+                self._metrics.quota_rejected(terms.plan.name)
+            raise refusal(exc, terms, window, now, caller) from None
         admission = replace(admission, generation=admitted.generation)
         self._router.admitted(inbox, contract.inflight_key(caller.account_id), admission.request_id,
                               admitted.generation)
         call.ratelimit = ratelimit_headers(terms.daily_limit, admitted.used, window, now)
         if caller.key.daily_limit is not None:
-            call.ratelimit = {**call.ratelimit, **_key_ratelimit(caller.key.daily_limit, admitted.key_used)}
+            call.ratelimit = {**call.ratelimit, **key_ratelimit(caller.key.daily_limit, admitted.key_used)}
         # The row is written while the job runs; no answer leaves before it is committed.
         opening = None if idempotency_key else self._ledger.start_open(**row)
         return await self._relay(admission, inbox, call, opening=opening,
                                  queued=admitted.queued if deadline_ms else None, deadline_ms=deadline_ms)
-
-    def _refusal(self, exc: BaseException, terms: AccountTerms, window: QuotaWindow, now: datetime,
-                 caller: Caller) -> BaseException:
-        """The client's error for a request the admission script refused (nothing was counted)."""
-        if isinstance(exc, TooManyInFlight):
-            if exc.key:
-                return APIError(429, f"The API key {caller.key.label} has {exc.inflight} requests in flight, the most "
-                                f"it may have at once ({caller.key.max_inflight}); retry when one has finished.",
-                                code="key_too_many_inflight", headers={"Retry-After": "1"})
-            return APIError(429, f"Your account has {exc.inflight} requests in flight, the most it may have at "
-                            f"once ({terms.max_inflight} on the {terms.plan.name} plan); retry when one has finished.",
-                            code="too_many_inflight", headers={"Retry-After": "1"})
-        if isinstance(exc, KeyQuotaSpent):
-            seconds = window.seconds_left(now)
-            return APIError(
-                429, f"The API key {caller.key.label} has used all {caller.key.daily_limit} requests it may make "
-                f"today ({window.day}); its allowance resets in {seconds} s. Other keys of the account are not "
-                "affected.", code="key_rate_limit_exceeded",
-                headers={"Retry-After": str(seconds), **ratelimit_headers(terms.daily_limit, exc.used, window, now),
-                         **_key_ratelimit(caller.key.daily_limit or 0, exc.key_used)})
-        if isinstance(exc, QuotaSpent):
-            self._metrics.quota_rejected(terms.plan.name)
-            seconds = window.seconds_left(now)
-            return APIError(
-                429, f"You have used all {terms.daily_limit} requests of your {terms.plan.name} plan for today "
-                f"({window.day}); the allowance resets in {seconds} s.", code="rate_limit_exceeded",
-                headers={"Retry-After": str(seconds), **ratelimit_headers(terms.daily_limit, exc.used, window, now)})
-        if isinstance(exc, QuotaUnavailable):
-            return APIError(503, "Request quotas cannot be checked right now; retry shortly.",
-                            code="quota_unavailable", headers={"Retry-After": "1"})
-        if isinstance(exc, RedisError):
-            return APIError(503, "The request queue is unreachable; retry shortly.", code="queue_unavailable",
-                            headers={"Retry-After": "1"})
-        return exc  # a full lane's 429, or anything else, as it is
 
     async def _give_back(self, admission: Admission) -> None:
         try:
