@@ -9,6 +9,7 @@ GPU build) and 0.32 (the CPU build); both are handled here and nowhere else.
 from __future__ import annotations
 
 import atexit
+import enum
 import importlib
 import json
 import logging
@@ -149,6 +150,8 @@ class Engine:
         self._client_errors: tuple[type[BaseException], ...] = (ValueError, TypeError, NotImplementedError)
         self.max_model_len = 0
         self.max_num_seqs = 0
+        # What the engine started with, once started (:func:`effective_config`).
+        self.engine_config: dict[str, Any] = {}
 
     async def start(self) -> None:
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -201,6 +204,7 @@ class Engine:
         config = self._llm.vllm_config
         self.max_model_len = int(config.model_config.max_model_len)
         self.max_num_seqs = int(config.scheduler_config.max_num_seqs)
+        self.engine_config = effective_config(config, args, self._chat)
         # vLLM reads its settings from the environment on every access (vllm.envs.__getattr__); its
         # engine core caches them once started, its API server does not. In this process that was 13 %
         # of the GIL at 256 clients on the GPU (1B shape, bench/results/engine_gpu-1b-s4.md): cache
@@ -255,6 +259,76 @@ class Engine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+
+
+def _plain(value: Any) -> Any:
+    """A JSON value for ``value``: an enum by its text value (else its name), a dtype and anything
+    else vLLM-specific as text."""
+    if isinstance(value, enum.Enum):
+        return value.value if isinstance(value.value, str) else value.name
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value).removeprefix("torch.")
+
+
+def _speculative(config: Any) -> dict[str, Any] | None:
+    if config is None:
+        return None
+    draft = getattr(config, "model", None)
+    method = getattr(config, "method", None)
+    return {"method": _plain(method), "num_speculative_tokens": getattr(config, "num_speculative_tokens", None),
+            # A draft model's name or folder; n-gram and the like have none worth showing.
+            "draft_model": draft if draft and method not in ("ngram", "suffix") else None}
+
+
+def effective_config(config: Any, args: Any, chat: Any = None) -> dict[str, Any]:
+    """What the engine actually runs with, read back from vLLM once it started (defaults resolved:
+    ``max_model_len`` from the model, ``max_num_batched_tokens`` from the usage context, ...), and the
+    chat options its OpenAI serving layer got. Small and free of secrets: it is logged and heartbeated.
+    An attribute this vLLM lacks is left out."""
+    model, cache = config.model_config, config.cache_config
+    scheduler, parallel = config.scheduler_config, config.parallel_config
+    compilation = getattr(config, "compilation_config", None)
+    template = getattr(args, "chat_template", None)
+    values: dict[str, Any] = {
+        "vllm_version": _vllm_version(),
+        "model": getattr(model, "model", None),
+        "served_model_name": getattr(model, "served_model_name", None),
+        "max_model_len": getattr(model, "max_model_len", None),
+        "dtype": getattr(model, "dtype", None),
+        "quantization": getattr(model, "quantization", None),
+        "enforce_eager": getattr(model, "enforce_eager", None),
+        "trust_remote_code": getattr(model, "trust_remote_code", None),
+        "max_num_seqs": getattr(scheduler, "max_num_seqs", None),
+        "max_num_batched_tokens": getattr(scheduler, "max_num_batched_tokens", None),
+        "scheduling_policy": getattr(scheduler, "policy", None),
+        "enable_chunked_prefill": getattr(scheduler, "enable_chunked_prefill", None),
+        "tensor_parallel_size": getattr(parallel, "tensor_parallel_size", None),
+        "pipeline_parallel_size": getattr(parallel, "pipeline_parallel_size", None),
+        "enable_prefix_caching": getattr(cache, "enable_prefix_caching", None),
+        "kv_cache_dtype": getattr(cache, "cache_dtype", None),
+        "block_size": getattr(cache, "block_size", None),
+        "gpu_memory_utilization": getattr(cache, "gpu_memory_utilization", None),
+        "num_gpu_blocks": getattr(cache, "num_gpu_blocks", None),
+        "compilation_mode": getattr(compilation, "mode", None) if compilation is not None else None,
+        "speculative": _speculative(getattr(config, "speculative_config", None)),
+        # As the serving layer got them (`vllm serve`'s flags), not as the catalog wrote them.
+        "enable_auto_tool_choice": getattr(chat, "enable_auto_tools", getattr(args, "enable_auto_tool_choice", None)),
+        "tool_call_parser": getattr(args, "tool_call_parser", None),
+        "tool_strict_level": getattr(args, "tool_strict_level", None),
+        "reasoning_parser": getattr(args, "reasoning_parser", None)
+        or getattr(getattr(config, "structured_outputs_config", None), "reasoning_parser", None) or None,
+        # The template's file name: a shipped one's name says which; a worker's own path stays on the worker.
+        "chat_template": Path(template).name if template else None,
+    }
+    return {key: value if isinstance(value, dict) else _plain(value) for key, value in values.items()}
+
+
+def _vllm_version() -> str | None:
+    try:
+        return importlib.import_module("vllm").__version__
+    except (ImportError, AttributeError):
+        return None
 
 
 def _use_logging_config(config: dict[str, Any]) -> None:

@@ -32,6 +32,9 @@ class InstantEngine:
         self.start_delay_s = start_delay_s
         self.max_model_len = 1 << 20
         self.max_num_seqs = capacity
+        # What an operator sees of it in the log and the admin API, like a vLLM engine's effective config.
+        self.engine_config: dict[str, Any] = {"engine": "instant", "max_model_len": self.max_model_len,
+                                              "max_num_seqs": capacity, "tokens": tokens}
         self._running = 0
 
     async def start(self) -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import uvloop
 from sqlalchemy import select
@@ -32,6 +33,12 @@ log = logging.getLogger("flatfare.worker")
 # Options every Flatfare worker gets unless the catalog or the command line says otherwise:
 # priority scheduling, so the premium lane's requests also win inside the running batch.
 _BASE_OPTIONS: dict[str, Any] = {"disable_log_stats": True, "scheduling_policy": "priority"}
+
+
+class StartedEngine(EngineLike, Protocol):
+    """An engine that says what configuration it started with (:func:`flatfare.workers.engine.effective_config`)."""
+
+    engine_config: dict[str, Any]
 
 
 class WorkerError(Exception):
@@ -65,7 +72,7 @@ async def load_spec(settings: WorkerSettings) -> ModelSpec:
     return ModelSpec(name=settings.model, source=source, options=options)
 
 
-async def build_engine(settings: WorkerSettings, progress: Callable[[str], None]) -> tuple[str, EngineLike, str]:
+async def build_engine(settings: WorkerSettings, progress: Callable[[str], None]) -> tuple[str, StartedEngine, str]:
     """The model's name, its started engine, and the folder or hub id it loaded ("" for the instant engine)."""
     if settings.engine == "instant":
         progress(f"BENCHMARK ENGINE: '{settings.model}' answers with {settings.instant_tokens} filler tokens")
@@ -111,6 +118,11 @@ async def serve(settings: WorkerSettings, progress: Callable[[str], None] = log.
             republish = asyncio.create_task(keep_published(redis, model, text), name="tokenizer")
     capacity = settings.max_inflight or engine.max_num_seqs
     info.max_model_len, info.capacity = engine.max_model_len, capacity
+    # One line and the heartbeat say what the engine really runs with, so an operator sees whether a
+    # catalog option took effect (the admin API's model state shows each worker's).
+    info.extra["engine_config"] = engine.engine_config
+    log.info("engine started: %s", json.dumps(engine.engine_config, sort_keys=True),
+             extra={"model": model, "engine_config": engine.engine_config})
     metrics = WorkerMetrics(model)
     if settings.metrics_port >= 0:
         info.extra["metrics_port"] = metrics.serve(settings.metrics_host, settings.metrics_port)

@@ -106,8 +106,7 @@ def check_tensor_parallel(source: str, options: EngineOptions | None) -> None:
 
 
 async def _public(request: Request, model: CatalogModel) -> ModelPublic:
-    live = await request.app.state.pools.live_workers(model.name)
-    return ModelPublic.of(model, len(live))
+    return ModelPublic.of(model, await request.app.state.pools.live_workers(model.name))
 
 
 @router.get("/models", response_model=Page[ModelPublic])

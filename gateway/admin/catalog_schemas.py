@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 from pydantic import Field, field_validator
@@ -49,6 +50,28 @@ class ModelUpdate(_ModelFields):
     pass
 
 
+class WorkerPublic(_Out):
+    """One live worker of the model, as its last heartbeat said."""
+
+    worker_id: str
+    pool: str
+    state: str
+    engine: str
+    max_model_len: int
+    capacity: int
+    inflight: int
+    started_ms: int
+    # What its engine actually started with (vLLM's effective configuration; {} before it started).
+    engine_config: dict[str, Any] = Field(default_factory=dict)
+
+    @classmethod
+    def of(cls, worker: Any) -> WorkerPublic:
+        return cls(worker_id=worker.worker_id, pool=worker.pool or worker.model, state=str(worker.state.value),
+                   engine=worker.engine, max_model_len=worker.max_model_len, capacity=worker.capacity,
+                   inflight=worker.inflight, started_ms=worker.started_ms,
+                   engine_config=worker.extra.get("engine_config") or {})
+
+
 class ModelPublic(_Out):
     name: str
     source: str
@@ -62,12 +85,15 @@ class ModelPublic(_Out):
     enabled: bool
     created_at: Timestamp
     live_workers: int = 0
+    # The live workers of its shared pool, each with the engine configuration it runs.
+    workers: list[WorkerPublic] = Field(default_factory=list)
 
     @classmethod
-    def of(cls, model: Any, live_workers: int) -> ModelPublic:
+    def of(cls, model: Any, workers: Sequence[Any]) -> ModelPublic:
         options = dict(model.engine_options or {})
         return cls.model_validate(model).model_copy(update={
             "engine_options": {k: v for k, v in options.items() if k != TRUST_REMOTE_CODE},
             "trust_remote_code": bool(options.get(TRUST_REMOTE_CODE)),
             "capabilities": capabilities_of(options).public(),
-            "live_workers": live_workers})
+            "live_workers": len(workers),
+            "workers": [WorkerPublic.of(w) for w in workers]})

@@ -202,6 +202,11 @@ def test_a_model_added_through_the_api_appears_once_a_worker_serves_it(astack, a
             assert time.monotonic() < deadline, "the model never appeared"
             time.sleep(0.2)
         assert _chat(astack.base_url, astack.api_key, "instant-2").status_code == 200
+        # The model state shows each live worker and the engine configuration it started with.
+        shown = eventually(lambda: admin.get("/models/instant-2").json(), lambda m: m["workers"], "the worker listed")
+        assert shown["live_workers"] == 1 and shown["workers"][0]["state"] == "warm"
+        assert shown["workers"][0]["engine_config"] == {"engine": "instant", "max_model_len": 1 << 20,
+                                                        "max_num_seqs": 1024, "tokens": 16}
         assert admin.patch("/models/instant-2", json={"enabled": False}).status_code == 200
         refused = eventually(lambda: _chat(astack.base_url, astack.api_key, "instant-2"),
                              lambda r: r.status_code != 200, "the disabled model refused")
