@@ -159,32 +159,6 @@ def test_the_list_shows_only_the_models_the_callers_plan_may_use(cstack: Stack, 
         assert free.get(f"/v1/models/{MODEL}").status_code == 404
 
 
-def test_the_readme_recipes_go_through_the_admin_api(cstack: Stack, admin: httpx.Client) -> None:
-    from tests.gateway.test_model_options import RECIPES
-
-    for name, recipe in RECIPES.items():
-        if name == "smollm2-135m-instruct":
-            continue  # seeded
-        created = admin.post("/models", json={"name": f"recipe-{name}", **recipe})
-        assert created.status_code == 201, created.text
-        entry = created.json()
-        assert entry["trust_remote_code"] is bool(recipe.get("trust_remote_code")), entry
-        assert "trust_remote_code" not in entry["engine_options"]
-        options = recipe["engine_options"]
-        assert entry["capabilities"]["tools"] is ("tool_call_parser" in options)
-        assert entry["capabilities"]["reasoning"] is ("reasoning_parser" in options)
-        assert entry["capabilities"]["vision"] is ("limit_mm_per_prompt" in options)
-    refused = admin.post("/models", json={"name": "bad", "source": "x", "engine_options": {
-        "tool_call_parser": "hermes", "reasoning_parser": "deepseek_r2"}})
-    assert refused.status_code == 422 and refused.json()["error"]["param"] == "engine_options.reasoning_parser"
-    assert "deepseek_r2" in refused.json()["error"]["message"]
-    turned_off = admin.patch("/models/recipe-kimi-k2", json={"trust_remote_code": False})
-    assert turned_off.status_code == 200 and turned_off.json()["trust_remote_code"] is False
-    audit = admin.get("/audit", params={"resource_type": "model", "resource_id": "recipe-kimi-k2"}).json()["data"]
-    assert audit[0]["before"]["engine_options"]["trust_remote_code"] is True
-    assert "trust_remote_code" not in audit[0]["after"]["engine_options"]
-
-
 def test_the_admin_cli_adds_an_entry_with_its_parsers_and_trust(cstack: Stack, admin: httpx.Client) -> None:
     cstack.env.update({"FLATFARE_ADMIN_URL": cstack.base_url, "FLATFARE_ADMIN_TOKEN": cstack.admin_token})  # type: ignore[attr-defined]
     added = cstack.cli("admin", "models", "add", "kimi-cli", "--source", "moonshotai/Kimi-K2-Instruct",

@@ -11,7 +11,8 @@ from pydantic import ValidationError
 from flatfare.capabilities import capabilities_of
 from flatfare.gateway.admin.catalog_schemas import ModelCreate, ModelUpdate
 
-# The entries README's "Models and capabilities" section shows, as an operator would send them.
+# Example entries (README's own GPU recipes are read from README and sent through the admin API by
+# tests/e2e/test_recipes.py).
 RECIPES: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": {"source": "meta-llama/Llama-3.1-8B-Instruct", "engine_options": {
         "max_model_len": 32768, "tool_call_parser": "llama3_json", "enable_auto_tool_choice": True}},
