@@ -268,6 +268,8 @@ def _plain(value: Any) -> Any:
         return value.value if isinstance(value.value, str) else value.name
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if isinstance(value, (list, tuple)):  # served_model_name may be a list of one
+        return _plain(value[0]) if len(value) == 1 else [_plain(v) for v in value]
     return str(value).removeprefix("torch.")
 
 
@@ -285,7 +287,7 @@ def effective_config(config: Any, args: Any, chat: Any = None) -> dict[str, Any]
     """What the engine actually runs with, read back from vLLM once it started (defaults resolved:
     ``max_model_len`` from the model, ``max_num_batched_tokens`` from the usage context, ...), and the
     chat options its OpenAI serving layer got. Small and free of secrets: it is logged and heartbeated.
-    An attribute this vLLM lacks is left out."""
+    An attribute this vLLM lacks reads as None."""
     model, cache = config.model_config, config.cache_config
     scheduler, parallel = config.scheduler_config, config.parallel_config
     compilation = getattr(config, "compilation_config", None)
