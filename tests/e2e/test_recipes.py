@@ -152,3 +152,27 @@ def test_trust_remote_code_is_the_entrys_own_switch_and_turning_it_off_is_audite
     audit = admin.get("/audit", params={"resource_type": "model", "resource_id": name}).json()["data"]
     assert audit[0]["before"]["engine_options"]["trust_remote_code"] is True
     assert "trust_remote_code" not in audit[0]["after"]["engine_options"]
+
+
+def test_vllms_own_parser_takes_each_recipe_as_the_worker_passes_it() -> None:
+    """The arguments a worker builds from each entry, parsed by the installed vLLM's ``vllm serve`` parser
+    (the worker's own): no flag it does not know, each value where vLLM reads it, parsers it has
+    registered (its argument parser leaves those to the server's start)."""
+    pytest.importorskip("vllm")
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from flatfare.workers.engine import _first_attr, engine_argv
+
+    make_arg_parser = _first_attr([("vllm.entrypoints.launchers.cli_args", "make_arg_parser"),
+                                   ("vllm.entrypoints.openai.cli_args", "make_arg_parser")])
+    parser = make_arg_parser(FlexibleArgumentParser(prog="flatfare worker"))
+    for recipe in RECIPES:
+        options = {**recipe.body["engine_options"], "trust_remote_code": bool(recipe.body.get("trust_remote_code"))}
+        args = parser.parse_args(engine_argv(recipe.body["source"], recipe.name, options))
+        assert args.model == recipe.body["source"] and args.trust_remote_code is options["trust_remote_code"]
+        for option, value in recipe.body["engine_options"].items():
+            assert getattr(args, option) == value, (recipe.name, option, getattr(args, option), value)
+        assert args.tool_call_parser in {None, *ToolParserManager.list_registered()}, recipe.name
+        assert args.reasoning_parser in {None, "", *ReasoningParserManager.list_registered()}, recipe.name
