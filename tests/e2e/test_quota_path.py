@@ -65,6 +65,8 @@ def _post(stack, key: str, body: dict, **headers: str) -> httpx.Response:
 
 async def test_200_concurrent_requests_through_4_gateways_at_a_quota_of_60(qstack) -> None:
     account_id, key = _account(qstack, "sixty", limit=60)
+    # All 200 at once: only the daily quota may refuse here, not the plan's in-flight cap (16).
+    qstack.sql("UPDATE accounts SET max_inflight_override = 1000 WHERE id = :a", a=account_id)
     async with httpx.AsyncClient(base_url=qstack.base_url, timeout=60,
                                  limits=httpx.Limits(max_connections=200)) as client:
         async def one(i: int) -> int:

@@ -158,7 +158,6 @@ def test_vllms_own_parser_takes_each_recipe_as_the_worker_passes_it() -> None:
     """The arguments a worker builds from each entry, parsed by the installed vLLM's ``vllm serve`` parser
     (the worker's own): no flag it does not know, each value where vLLM reads it, parsers it has
     registered (its argument parser leaves those to the server's start)."""
-    pytest.importorskip("vllm")
     from vllm.reasoning import ReasoningParserManager
     from vllm.tool_parsers import ToolParserManager
     from vllm.utils.argparse_utils import FlexibleArgumentParser
