@@ -22,6 +22,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from flatfare import contract
 from flatfare.redis_conn import connect
 from flatfare.redis_local import LocalRedis, free_port
 from flatfare.storage.db import create_engine as create_async_engine
@@ -168,6 +169,19 @@ class Stack:
             engine.dispose()
 
 
+def _warm_worker(stack: Stack) -> bool:
+    client = redis_sync.Redis.from_url(stack.redis_url)
+    try:
+        fresh = int(time.time() * 1000 - contract.WORKER_TTL_S * 1000)
+        for worker_id in client.zrangebyscore(contract.pool_key(stack.model), fresh, "+inf"):
+            fields = client.hgetall(contract.worker_key(worker_id.decode()))
+            if fields and contract.WorkerInfo.from_fields(fields).state is contract.WorkerState.WARM:
+                return True
+        return False
+    finally:
+        client.close()
+
+
 def _wait_ready(stack: Stack) -> None:
     deadline = time.monotonic() + STACK_READY_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -175,14 +189,15 @@ def _wait_ready(stack: Stack) -> None:
             if proc.poll() is not None:
                 log = (stack.logs / f"{name}.log").read_text()[-4000:]
                 raise RuntimeError(f"the {name} exited with {proc.returncode}:\n{log}")
+        # Ready: the gateway answers and a worker of the model heartbeats as warm. Not through
+        # /v1/models, which lists only what the stack key's plan may use (a free key does not see
+        # every model).
         try:
-            models = httpx.get(f"{stack.base_url}/v1/models", timeout=2,
-                               headers={"Authorization": f"Bearer {stack.api_key}"})
-            if models.status_code == 200 and any(m["id"] == stack.model and m.get("state", "warm") == "warm"
-                                                 for m in models.json()["data"]):
-                return
+            ready = httpx.get(f"{stack.base_url}/readyz", timeout=2).status_code == 200
         except httpx.HTTPError:
-            pass
+            ready = False
+        if ready and _warm_worker(stack):
+            return
         time.sleep(1)
     raise RuntimeError(f"the stack was not ready within {STACK_READY_TIMEOUT_S} s; logs in {stack.logs}")
 
