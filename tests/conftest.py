@@ -191,9 +191,10 @@ def _wait_ready(stack: Stack) -> None:
                 raise RuntimeError(f"the {name} exited with {proc.returncode}:\n{log}")
         # Ready: the gateway answers and a worker of the model heartbeats as warm. Not through
         # /v1/models, which lists only what the stack key's plan may use (a free key does not see
-        # every model).
+        # every model), nor /readyz, which waits for every pinned catalog model (an instant-engine
+        # stack serves only its own).
         try:
-            ready = httpx.get(f"{stack.base_url}/readyz", timeout=2).status_code == 200
+            ready = httpx.get(f"{stack.base_url}/healthz", timeout=2).status_code == 200
         except httpx.HTTPError:
             ready = False
         if ready and _warm_worker(stack):
