@@ -60,7 +60,7 @@ class HeldUnits:
 
     def ended(self, request_id: str, account_id: int, key_id: int | None) -> None:
         """The request is no longer in flight (its worker says so with its terminal reply; this covers
-        the requests that end without one: cancelled, timed out, withdrawn, lost). Sent with the next
+        the requests that end without one: cancelled, timed out, withdrawn). Sent with the next
         flush."""
         self._ended.append((contract.inflight_key(account_id), request_id))
         if key_id is not None:

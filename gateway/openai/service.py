@@ -298,7 +298,6 @@ class CompletionService:
         dies meanwhile still has it settled by the reaper."""
         if not admission.owner:
             return
-        self._held.ended(admission.request_id, admission.account_id, admission.key_id)
         closing = self._ledger.start_close(admission.request_id, outcome)
         self._metrics.finished(admission.model, admission.lane, outcome.status.value, queue_ms=outcome.queue_ms,
                                prompt_tokens=outcome.prompt_tokens, completion_tokens=outcome.completion_tokens)
@@ -335,6 +334,9 @@ class CompletionService:
         if admission.owner:
             with contextlib.suppress(RedisError):
                 await self._replies.cancel(admission.request_id)
+            # It ends without its worker's terminal reply, which is what takes a request out of its
+            # in-flight sets otherwise.
+            self._held.ended(admission.request_id, admission.account_id, admission.key_id)
         await self._settle(admission, Outcome(status, http_status, duration_ms=_now_ms() - admission.created_ms,
                                               error_code=code, billable=billable))
 
