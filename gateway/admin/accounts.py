@@ -1,4 +1,4 @@
-"""Admin routes for accounts and their API keys."""
+"""Admin routes for accounts (their writes are :mod:`services`') and their API keys."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from sqlalchemy import select
 
-from flatfare.storage.accounts import AccountError, KeyLimitsUpdate, ensure_account, issue_key
-from flatfare.storage.models import Account, ApiKey, Plan
+from flatfare.storage.accounts import KeyLimitsUpdate, issue_key
+from flatfare.storage.models import Account, ApiKey
+from flatfare.gateway.admin import services
 from flatfare.gateway.admin.audit import IdFilter, RowId, not_found, page, record, snapshot
 from flatfare.gateway.admin.auth import AdminReader, AdminWriter
 from flatfare.gateway.admin.schemas import (
@@ -27,14 +28,6 @@ from flatfare.gateway.errors import APIError
 
 router = APIRouter()
 Limit = Annotated[int, Query(ge=1, le=200)]
-
-
-async def _plan_exists(session, name: str) -> None:  # noqa: ANN001 - an AsyncSession
-    plan = await session.get(Plan, name)
-    if plan is None:
-        raise APIError(422, f"Unknown plan '{name}'.", param="plan", code="invalid_value")
-    if plan.retired:
-        raise APIError(422, f"The plan '{name}' is retired.", param="plan", code="plan_retired")
 
 
 @router.get("/accounts", response_model=Page[AccountPublic])
@@ -66,42 +59,13 @@ async def get_account(request: Request, account_id: RowId, _: AdminReader) -> Ac
 
 @router.post("/accounts", response_model=AccountPublic, status_code=201)
 async def create_account(request: Request, body: AccountCreate, admin: AdminWriter) -> Account:
-    async with request.app.state.sessions() as session, session.begin():
-        await _plan_exists(session, body.plan)
-        if await session.scalar(select(Account).where(Account.name == body.name)) is not None:
-            raise APIError(409, f"An account named '{body.name}' exists.", param="name", code="account_exists")
-        try:
-            account = await ensure_account(session, body.name, body.plan)
-        except AccountError as exc:
-            raise APIError(422, str(exc), param="plan", code="invalid_value") from exc
-        account.daily_limit_override = body.daily_limit_override
-        account.unlimited = body.unlimited
-        account.dedicated_pool = body.dedicated_pool
-        account.max_inflight_override = body.max_inflight_override
-        await session.flush()
-        await session.refresh(account)
-        record(session, admin, "account.create", "account", account.id, None, snapshot(account))
-    return account
+    return await services.create_account(request.app.state.sessions, admin, body)
 
 
 @router.patch("/accounts/{account_id}", response_model=AccountPublic)
 async def update_account(request: Request, account_id: RowId, body: AccountUpdate, admin: AdminWriter) -> Account:
     """Suspend or reactivate, change the plan, set enterprise limits or a dedicated pool."""
-    async with request.app.state.sessions() as session, session.begin():
-        account = await session.get(Account, account_id, with_for_update=True)
-        if account is None:
-            raise not_found("account", account_id)
-        before = snapshot(account)
-        changes = body.model_dump(exclude_unset=True)
-        if "plan" in changes and changes["plan"] != account.plan:
-            await _plan_exists(session, changes.pop("plan"))
-            await ensure_account(session, account.name, body.plan)  # sets the trial end when it is a trial
-        changes.pop("plan", None)
-        for field, value in changes.items():
-            setattr(account, field, value)
-        await session.flush()
-        record(session, admin, "account.update", "account", account_id, before, snapshot(account))
-    return account
+    return await services.update_account(request.app.state.sessions, admin, account_id, body)
 
 
 @router.get("/accounts/{account_id}/keys", response_model=Page[KeyPublic])
