@@ -19,7 +19,7 @@ from flatfare.billing.webhooks import WebhookProcessor
 from flatfare.storage.accounts import AccountStore
 from flatfare.billing.quota import DailyQuota
 from flatfare.storage.db import create_engine, session_factory
-from flatfare.gateway import admin, billing_routes, health, usage
+from flatfare.gateway import admin, billing_routes, console, health, usage
 from flatfare.gateway.openai import routes
 from flatfare.gateway.admin.auth import AdminAuthenticator
 from flatfare.gateway.auth import Authenticator
@@ -74,6 +74,7 @@ def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
             LaneQueue(redis, limits, state.quota, held.key), PrefixRouter(redis, settings.prefix_routing), held,
             metrics, RequestScreen(redis), Tokenizers(redis, settings.pools_cache_ttl_s))
         state.accounts = AccountStore(sessions)
+        console.start(app, settings, redis)
         state.stripe = None
         state.webhooks = WebhookProcessor(sessions, {price: plan for plan, price in settings.stripe_prices.items()})
         stop = asyncio.Event()
@@ -106,5 +107,6 @@ def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
     app.include_router(admin.router)
     app.include_router(health.router)
     app.include_router(metrics_router)
+    console.install(app, settings)
     # The two completion routes are served in front of FastAPI, outside its routing and middlewares.
     return CompletionRoutes(app, metrics)

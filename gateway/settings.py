@@ -63,6 +63,34 @@ class GatewaySettings(CommonSettings):
     # Longest wait between two tries of a meter event Stripe refused (the wait doubles from 1 s).
     billing_outbox_max_backoff_s: float = 3600.0
 
+    # The web console (gateway/console/), served at /console.
+    # Local mode: the console is served over plain http on this machine (`flatfare up`, tests), so its
+    # session cookie goes without Secure. Leave it off wherever users reach the gateway over https.
+    local_mode: bool = False
+    console_enabled: bool = True
+    # Self sign-up; off makes the console invite-only (an admin creates the users).
+    console_signup: bool = True
+    # A new user must open an emailed link before logging in.
+    console_require_email_verification: bool = False
+    console_min_password_length: int = Field(default=10, ge=8, le=128)
+    # A console session ends after this long without a request.
+    console_session_idle_s: int = Field(default=8 * 3600, ge=60)
+    # Failed logins allowed per account and per client address in each window, before 429.
+    console_login_attempts: int = Field(default=10, ge=1)
+    console_login_window_s: int = Field(default=900, ge=1)
+    # A rotated key keeps working this long after its replacement is made.
+    console_rotation_grace_s: int = Field(default=24 * 3600, ge=0)
+    # How long an emailed password-reset or verification link stays valid.
+    console_link_ttl_s: int = Field(default=3600, ge=60)
+    # The outgoing mail server for reset and verification links; with no host set, each link is
+    # written to the gateway's log instead (marked "CONSOLE EMAIL"), which `flatfare up` shows.
+    smtp_host: str = ""
+    smtp_port: int = 587
+    smtp_user: str = ""
+    smtp_password: SecretStr = SecretStr("")
+    smtp_from: str = "flatfare@localhost"
+    smtp_starttls: bool = True
+
     @property
     def stripe_enabled(self) -> bool:
         return bool(self.stripe_api_key.get_secret_value() and self.stripe_webhook_secret.get_secret_value())

@@ -95,6 +95,8 @@ class Account(Base):
     stripe_subscription_id: Mapped[str | None] = mapped_column(String(64))
     subscription_status: Mapped[str | None] = mapped_column(String(32))
     billing_event_at: Mapped[int | None] = mapped_column(BigInteger)
+    # When the account's customer started its one self-service trial in the console (None: never).
+    trial_started_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
 
 class ApiKey(Base):
@@ -220,6 +222,22 @@ class AdminToken(Base):
     created_by: Mapped[int | None] = mapped_column(ForeignKey("admin_tokens.id"))
     last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+
+
+class ConsoleUser(Base):
+    """A person who logs in to the web console: an email and an Argon2 hash of their password, for one
+    account (or the platform, when ``is_admin``)."""
+
+    __tablename__ = "console_users"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    # Stored lower-cased, so the unique index is case-insensitive on every database.
+    email: Mapped[str] = mapped_column(String(254), unique=True)
+    password_hash: Mapped[str] = mapped_column(String(255))
+    account_id: Mapped[int | None] = mapped_column(ForeignKey("accounts.id"), index=True)
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    email_verified_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), server_default=func.now())
 
 
 class AuditEntry(Base):

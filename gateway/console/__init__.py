@@ -1,0 +1,47 @@
+"""The web console: server-rendered pages (Jinja2 and htmx) for customers and admins, at ``/console``.
+
+:func:`install` mounts it on the gateway's FastAPI app; the lifespan calls :func:`start` once Redis is
+open. Routes use the dependencies of :mod:`.deps` (``ConsoleCustomer``, ``ConsoleAdmin``, ``ConsoleForm``).
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
+from redis.asyncio import Redis
+
+from flatfare.gateway.errors import error_body
+from flatfare.gateway.console import account, auth
+from flatfare.gateway.console.deps import LoginRequired
+from flatfare.gateway.console.headers import ConsoleHeaders
+from flatfare.gateway.console.pages import STATIC_DIR, build_templates
+from flatfare.gateway.console.sessions import ConsoleSessions
+from flatfare.gateway.settings import GatewaySettings
+
+__all__ = ["install", "start"]
+
+
+def install(app: FastAPI, settings: GatewaySettings) -> None:
+    """Add the console's routes, static files, headers and login redirect to ``app``."""
+    if not settings.console_enabled:
+        return
+    app.state.console_templates = build_templates()
+    app.mount("/console/static", StaticFiles(directory=STATIC_DIR), name="console-static")
+    app.include_router(auth.router)
+    app.include_router(account.router)
+    app.add_middleware(ConsoleHeaders)
+
+    @app.exception_handler(LoginRequired)
+    async def _login_required(request: Request, exc: LoginRequired) -> Response:
+        target = "/console/login?admin=1" if exc.admin else "/console/login"
+        if request.method == "GET" and "hx-request" not in request.headers:
+            return RedirectResponse(target, status_code=303)
+        body = error_body(401, "Log in to the console first.", code="login_required")
+        return JSONResponse(body, status_code=401, headers={"HX-Redirect": target})
+
+
+def start(app: FastAPI, settings: GatewaySettings, redis: Redis) -> None:
+    """Called by the lifespan once Redis is open."""
+    app.state.console_sessions = ConsoleSessions(redis, idle_s=settings.console_session_idle_s,
+                                                 secure=not settings.local_mode)
