@@ -1,11 +1,13 @@
 """The request ledger: one row per accepted request, opened when it is queued, closed when it ends.
 
 Closing a billable request of a paid plan writes its meter event to the outbox in the same
-transaction, so usage reported to Stripe can never disagree with the ledger.
+transaction, so usage reported to Stripe can never disagree with the ledger; every open, and every
+close that makes a billable row free, updates the usage rollup (billing/usage.py) in that transaction
+too, so the usage pages can never disagree with it either.
 
 Writes are group-committed: every open and close that arrives while a transaction is in flight
 waits for the next one, which writes them all (one INSERT for the opens, one SELECT, one UPDATE and
-one INSERT for the closes). Each caller still returns only once its own row is committed. The
+one INSERT for the closes, two upserts for the rollup). Each caller still returns only once its own row is committed. The
 statements are SQLAlchemy Core on the tables, prepared once: the ORM's unit of work, and one
 transaction per row, cost ~10 ms of CPU a request on SQLite here (bench/results/profile.md).
 """
@@ -21,11 +23,12 @@ from typing import Any, Protocol
 
 from concurrent.futures import ThreadPoolExecutor
 
-from sqlalchemy import Connection, bindparam, func, insert, select, update
+from sqlalchemy import Connection, bindparam, func, insert, select, text, update
 from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from flatfare.billing.ledger_sqlite import Busy, SqliteWriter
+from flatfare.billing.usage import UPSERT_ACCOUNT, UPSERT_PLATFORM, Rollup, day_of
 from flatfare.storage.db import DATABASE_DOWN
 from flatfare.storage.models import OutboxStatus, RequestRecord, RequestStatus, UsageOutbox
 
@@ -75,6 +78,10 @@ _CLOSE = (update(_REQUESTS)
                   prompt_tokens=bindparam("b_prompt_tokens"), completion_tokens=bindparam("b_completion_tokens"),
                   error_code=bindparam("b_error_code"), billable=bindparam("b_billable")))
 _METER = insert(_OUTBOX)
+_ROLLUP_ACCOUNT = text(UPSERT_ACCOUNT)
+_ROLLUP_PLATFORM = text(UPSERT_PLATFORM)
+# What a close reads of each row still queued (the rollup needs its key, model and day).
+_QUEUED_COLUMNS = ("id", "billable", "price_micros", "account_id", "quota_day", "api_key_id", "model", "created_at")
 
 
 @dataclass(slots=True)
@@ -238,11 +245,19 @@ class Ledger:
         without a row is absent from the answer."""
         now = datetime.now(UTC)
         async with self._engine.begin() as conn:
-            await conn.execute(
-                update(_REQUESTS).where(_REQUESTS.c.id.in_(request_ids),
-                                        _REQUESTS.c.status == RequestStatus.QUEUED.value)
-                .values(status=RequestStatus.FAILED.value, http_status=502, finished_at=now,
-                        error_code=error_code, billable=False))
+            closing = (_REQUESTS.update()
+                       .where(_REQUESTS.c.id.in_(request_ids), _REQUESTS.c.status == RequestStatus.QUEUED.value)
+                       .values(status=RequestStatus.FAILED.value, http_status=502, finished_at=now,
+                               error_code=error_code, billable=False))
+            # The billable ones first, returning what the rollup needs (an UPDATE takes the write
+            # lock at once: nothing can close them between reading and writing), then the others.
+            made_free = await conn.execute(closing.where(_REQUESTS.c.billable.is_(True))
+                                           .returning(*(_REQUESTS.c[name] for name in _QUEUED_COLUMNS)))
+            rollup = Rollup()
+            for row in made_free.all():
+                _made_free(rollup, tuple(row))
+            await conn.execute(closing)
+            await conn.run_sync(lambda sync: _Core(sync).add_usage(rollup))
             rows = await conn.execute(select(_REQUESTS.c.id, _REQUESTS.c.billable)
                                       .where(_REQUESTS.c.id.in_(request_ids)))
             return {request_id: bool(billable) for request_id, billable in rows}
@@ -279,15 +294,18 @@ async def daily_usage(sessions: async_sessionmaker[AsyncSession], account_id: in
 
 
 class _Statements(Protocol):
-    """The four statements of a ledger transaction, on one open transaction."""
+    """The statements of a ledger transaction, on one open transaction."""
 
     def insert_opens(self, rows: list[dict[str, Any]]) -> None: ...
 
-    def queued(self, ids: list[str]) -> list[tuple[str, bool, int, int, str | None]]: ...
+    def queued(self, ids: list[str]) -> list[tuple[Any, ...]]:
+        """The rows among ``ids`` still queued: the columns of :data:`_QUEUED_COLUMNS`."""
 
     def close_rows(self, updates: list[dict[str, Any]]) -> None: ...
 
     def insert_meters(self, meters: list[dict[str, Any]]) -> None: ...
+
+    def add_usage(self, rollup: Rollup) -> None: ...
 
 
 class _Core:
@@ -299,10 +317,9 @@ class _Core:
     def insert_opens(self, rows: list[dict[str, Any]]) -> None:
         self._conn.execute(_OPEN, rows)
 
-    def queued(self, ids: list[str]) -> list[tuple[str, bool, int, int, str | None]]:
-        return [tuple(row) for row in self._conn.execute(  # type: ignore[misc]
-            select(_REQUESTS.c.id, _REQUESTS.c.billable, _REQUESTS.c.price_micros, _REQUESTS.c.account_id,
-                   _REQUESTS.c.quota_day)
+    def queued(self, ids: list[str]) -> list[tuple[Any, ...]]:
+        return [tuple(row) for row in self._conn.execute(
+            select(*(_REQUESTS.c[name] for name in _QUEUED_COLUMNS))
             .where(_REQUESTS.c.id.in_(ids), _REQUESTS.c.status == RequestStatus.QUEUED.value)
             .with_for_update())]
 
@@ -311,6 +328,11 @@ class _Core:
 
     def insert_meters(self, meters: list[dict[str, Any]]) -> None:
         self._conn.execute(_METER, meters)
+
+    def add_usage(self, rollup: Rollup) -> None:
+        if rollup:
+            self._conn.execute(_ROLLUP_ACCOUNT, rollup.account_rows())
+            self._conn.execute(_ROLLUP_PLATFORM, rollup.platform_rows())
 
 
 def _write_batch(db: _Statements, batch: list[_Write]) -> None:
@@ -321,17 +343,19 @@ def _write_batch(db: _Statements, batch: list[_Write]) -> None:
         if write.outcome is not None:
             closes.setdefault(write.request_id, write.outcome)  # the first close of a row wins
     now = datetime.now(UTC)
+    rollup = Rollup()
     if opens:
         db.insert_opens(opens)
-    if not closes:
-        return
-    queued = db.queued(list(closes))
-    if not queued:
-        return
+        for row in opens:
+            rollup.opened(row)
+    queued = db.queued(list(closes)) if closes else []
     updates, meters = [], []
-    for request_id, row_billable, price_micros, account_id, quota_day in queued:
+    for row in queued:
+        request_id, row_billable, price_micros, account_id, quota_day = row[:5]
         outcome = closes[request_id]
         billable = bool(row_billable) and outcome.billable
+        if row_billable and not billable:
+            _made_free(rollup, row)
         updates.append({
             "id": request_id, "status": outcome.status.value, "http_status": outcome.http_status,
             "finished_at": now, "queue_ms": outcome.queue_ms, "ttft_ms": outcome.ttft_ms,
@@ -342,9 +366,18 @@ def _write_batch(db: _Statements, batch: list[_Write]) -> None:
             meters.append({"request_id": request_id, "account_id": account_id, "day": quota_day or "",
                            "created_at": now, "status": OutboxStatus.PENDING.value, "attempts": 0,
                            "next_attempt_at": now})
-    db.close_rows(updates)
+    if updates:
+        db.close_rows(updates)
     if meters:
         db.insert_meters(meters)
+    db.add_usage(rollup)
+
+
+def _made_free(rollup: Rollup, row: tuple[Any, ...]) -> None:
+    """A queued billable row (the columns of :data:`_QUEUED_COLUMNS`) closing free."""
+    _, _, price_micros, account_id, quota_day, api_key_id, model, created_at = row
+    rollup.made_free(account_id=account_id, api_key_id=api_key_id, model=model,
+                     day=day_of(quota_day, created_at), price_micros=price_micros)
 
 
 def _unreachable(exc: BaseException) -> bool:

@@ -3,7 +3,7 @@
 aiosqlite hops to its thread and back for every statement, fetch and commit (~17 hops, ~1 ms of CPU,
 for one ledger transaction here), and SQLAlchemy's execution machinery costs about as much again
 per statement. The ledger's writer therefore runs each group-committed batch on a plain ``sqlite3``
-connection with the four statements prepared once from the tables' columns: on the event loop itself
+connection with the ledger's statements prepared once from the tables' columns: on the event loop itself
 when the write lock is free (a batch takes 0.1 to a few ms, and WAL commits with synchronous=NORMAL
 do not sync), in a thread of its own when another connection holds the lock, and checkpoints there
 too. Values are stored exactly as SQLAlchemy's SQLite dialect stores them (datetimes as
@@ -22,6 +22,7 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from flatfare.billing.usage import UPSERT_ACCOUNT, UPSERT_PLATFORM, Rollup
 from flatfare.storage.db import sqlite_pragmas
 from flatfare.storage.models import RequestRecord, RequestStatus, UsageOutbox, as_utc
 
@@ -45,7 +46,7 @@ for _table, _names in ((_REQUESTS, _OPEN_COLUMNS + _CLOSE_COLUMNS), (_OUTBOX, _M
 _OPEN = f"INSERT INTO {_REQUESTS.name} ({', '.join(_OPEN_COLUMNS)}) VALUES ({', '.join('?' * len(_OPEN_COLUMNS))})"
 _CLOSE = (f"UPDATE {_REQUESTS.name} SET {', '.join(f'{c} = ?' for c in _CLOSE_COLUMNS)} "
           f"WHERE id = ? AND status = '{RequestStatus.QUEUED.value}'")
-_QUEUED = (f"SELECT id, billable, price_micros, account_id, quota_day FROM {_REQUESTS.name} "
+_QUEUED = (f"SELECT id, billable, price_micros, account_id, quota_day, api_key_id, model, created_at FROM {_REQUESTS.name} "
            f"WHERE status = '{RequestStatus.QUEUED.value}' AND id IN ({{}})")
 _METER = f"INSERT INTO {_OUTBOX.name} ({', '.join(_METER_COLUMNS)}) VALUES ({', '.join('?' * len(_METER_COLUMNS))})"
 
@@ -63,7 +64,7 @@ def _rows(dicts: list[dict[str, Any]], columns: tuple[str, ...]) -> list[tuple[A
 
 
 class _Statements:
-    """The ledger's four statements on one sqlite3 cursor, inside the caller's transaction."""
+    """The ledger's statements on one sqlite3 cursor, inside the caller's transaction."""
 
     def __init__(self, cursor: sqlite3.Cursor) -> None:
         self._cursor = cursor
@@ -71,7 +72,7 @@ class _Statements:
     def insert_opens(self, rows: list[dict[str, Any]]) -> None:
         self._cursor.executemany(_OPEN, _rows(rows, _OPEN_COLUMNS))
 
-    def queued(self, ids: list[str]) -> list[tuple[str, bool, int, int, str | None]]:
+    def queued(self, ids: list[str]) -> list[tuple[Any, ...]]:
         return self._cursor.execute(_QUEUED.format(", ".join("?" * len(ids))), ids).fetchall()
 
     def close_rows(self, updates: list[dict[str, Any]]) -> None:
@@ -80,6 +81,11 @@ class _Statements:
 
     def insert_meters(self, meters: list[dict[str, Any]]) -> None:
         self._cursor.executemany(_METER, _rows(meters, _METER_COLUMNS))
+
+    def add_usage(self, rollup: Rollup) -> None:
+        if rollup:
+            self._cursor.executemany(UPSERT_ACCOUNT, rollup.account_rows())
+            self._cursor.executemany(UPSERT_PLATFORM, rollup.platform_rows())
 
 
 class Busy(Exception):

@@ -174,6 +174,35 @@ class RequestRecord(Base):
     )
 
 
+class UsageDaily(Base):
+    """The ledger rolled up per account, key, model and day (the row's quota day), written in the same
+    transaction as the ledger rows it sums, so it always equals a GROUP BY over ``requests``: every
+    accepted request, the billable ones and their price. Usage pages read it instead of the ledger."""
+
+    __tablename__ = "usage_daily"
+
+    account_id: Mapped[int] = mapped_column(ForeignKey("accounts.id"), primary_key=True)
+    day: Mapped[str] = mapped_column(String(10), primary_key=True)
+    api_key_id: Mapped[int] = mapped_column(ForeignKey("api_keys.id"), primary_key=True)
+    model: Mapped[str] = mapped_column(String(128), primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    billable_requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    price_micros: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class PlatformUsageDaily(Base):
+    """The same sums for the whole platform per day and model (the admin console's usage over time and
+    requests today per model), written beside :class:`UsageDaily`."""
+
+    __tablename__ = "usage_platform_daily"
+
+    day: Mapped[str] = mapped_column(String(10), primary_key=True)
+    model: Mapped[str] = mapped_column(String(128), primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    billable_requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    price_micros: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
 class OutboxStatus(StrEnum):
     PENDING = "pending"
     SENT = "sent"
