@@ -62,11 +62,16 @@ class StripeGateway:
         return customer.id
 
     async def create_checkout_session(self, *, customer_id: str, price_id: str, account_id: int,
-                                      success_url: str, cancel_url: str) -> tuple[str, str]:
+                                      success_url: str, cancel_url: str,
+                                      metered_price_id: str | None = None) -> tuple[str, str]:
+        """A subscription Checkout for the plan's monthly price, plus its metered per-request price when
+        it has one: a metered price takes no quantity, Stripe invoices the meter's usage each period."""
+        items: list[dict[str, Any]] = [{"price": price_id, "quantity": 1}]
+        if metered_price_id:
+            items.append({"price": metered_price_id})
         session = await self._call(self._client.v1.checkout.sessions.create_async(params={
             "mode": "subscription", "customer": customer_id, "client_reference_id": str(account_id),
-            "line_items": [{"price": price_id, "quantity": 1}], "success_url": success_url,
-            "cancel_url": cancel_url}))
+            "line_items": items, "success_url": success_url, "cancel_url": cancel_url}))
         return session.id, session.url
 
     async def create_portal_session(self, *, customer_id: str, return_url: str) -> str:

@@ -12,6 +12,7 @@ from flatfare.billing.stripe_client import BillingError, InvalidWebhook, StripeG
 from flatfare.gateway.deps import CurrentCaller, RawBody
 from flatfare.gateway.errors import ERROR_RESPONSES, APIError
 from flatfare.gateway.settings import GatewaySettings
+from flatfare.storage.models import Account
 
 log = logging.getLogger("flatfare.billing")
 router = APIRouter(tags=["billing"], responses=ERROR_RESPONSES)
@@ -22,8 +23,8 @@ class CheckoutRequest(BaseModel):
     plan: str
 
 
-def _stripe(request: Request) -> StripeGateway:
-    stripe: StripeGateway | None = request.app.state.stripe
+def _stripe(state: Any) -> StripeGateway:
+    stripe: StripeGateway | None = state.stripe
     if stripe is None:
         raise APIError(503, "Billing is not configured on this platform.", code="billing_not_configured")
     return stripe
@@ -35,53 +36,78 @@ def _unavailable(exc: BillingError) -> APIError:
                     code="billing_error")
 
 
-async def _customer(request: Request, caller: CurrentCaller, stripe: StripeGateway) -> str:
-    if caller.account.stripe_customer_id:
-        return caller.account.stripe_customer_id
+async def _customer(state: Any, account: Account, stripe: StripeGateway) -> str:
+    if account.stripe_customer_id:
+        return account.stripe_customer_id
     try:
-        customer_id = await stripe.create_customer(caller.account_id, caller.account_name)
+        customer_id = await stripe.create_customer(account.id, account.name)
     except BillingError as exc:
         raise _unavailable(exc) from exc
-    return await request.app.state.accounts.link_customer(caller.account_id, customer_id)
+    return await state.accounts.link_customer(account.id, customer_id)
+
+
+def buyable_plans(settings: GatewaySettings) -> list[str]:
+    """The plans a customer can buy through Checkout: those with a Stripe price."""
+    return sorted(settings.stripe_prices)
+
+
+async def start_checkout(state: Any, account: Account, plan: str) -> tuple[str, str]:
+    """A Stripe Checkout session subscribing ``account`` to ``plan``: its monthly price, and its metered
+    price when the plan charges per request. Returns the session's id and URL. The API route and the
+    console's billing page both come here."""
+    settings: GatewaySettings = state.settings
+    stripe = _stripe(state)
+    price = settings.stripe_prices.get(plan)
+    if price is None:
+        raise APIError(400, f"Plan '{plan}' cannot be bought; choose one of: "
+                       f"{', '.join(buyable_plans(settings)) or 'none configured'}.", param="plan",
+                       code="invalid_value")
+    rules = (await state.plans.plans()).get(plan)
+    metered = settings.stripe_metered_prices.get(plan)
+    if rules is not None and rules.price_per_request_micros > 0 and not metered:
+        # Its requests would be metered but never invoiced: refuse rather than sell it for less.
+        log.error("plan %s has a per-request price but FLATFARE_STRIPE_METERED_PRICES names no price for it", plan)
+        raise APIError(503, f"Plan '{plan}' cannot be bought right now: its per-request price has no Stripe "
+                       "price configured. The platform's operator must set FLATFARE_STRIPE_METERED_PRICES.",
+                       code="billing_not_configured")
+    customer_id = await _customer(state, account, stripe)
+    try:
+        return await stripe.create_checkout_session(
+            customer_id=customer_id, price_id=price, account_id=account.id,
+            metered_price_id=metered if rules is not None and rules.price_per_request_micros > 0 else None,
+            success_url=f"{settings.public_url}/billing/success", cancel_url=f"{settings.public_url}/billing/cancel")
+    except BillingError as exc:
+        raise _unavailable(exc) from exc
+
+
+async def portal_url(state: Any, account: Account, return_url: str | None = None) -> str:
+    """A Stripe customer-portal link where ``account`` manages or cancels its subscription."""
+    stripe = _stripe(state)
+    customer_id = await _customer(state, account, stripe)
+    try:
+        return await stripe.create_portal_session(customer_id=customer_id,
+                                                  return_url=return_url or state.settings.public_url)
+    except BillingError as exc:
+        raise _unavailable(exc) from exc
 
 
 @router.post("/v1/billing/checkout")
 async def checkout(request: Request, caller: CurrentCaller, body: CheckoutRequest) -> dict[str, Any]:
     """A Stripe Checkout session subscribing the caller's account to ``pro`` or ``premium``."""
-    settings: GatewaySettings = request.app.state.settings
-    stripe = _stripe(request)
-    price = settings.stripe_prices.get(body.plan)
-    if price is None:
-        raise APIError(400, f"Plan '{body.plan}' cannot be bought; choose one of: "
-                       f"{', '.join(sorted(settings.stripe_prices)) or 'none configured'}.", param="plan",
-                       code="invalid_value")
-    customer_id = await _customer(request, caller, stripe)
-    try:
-        session_id, url = await stripe.create_checkout_session(
-            customer_id=customer_id, price_id=price, account_id=caller.account_id,
-            success_url=f"{settings.public_url}/billing/success", cancel_url=f"{settings.public_url}/billing/cancel")
-    except BillingError as exc:
-        raise _unavailable(exc) from exc
+    session_id, url = await start_checkout(request.app.state, caller.account, body.plan)
     return {"object": "checkout.session", "id": session_id, "url": url, "plan": body.plan}
 
 
 @router.post("/v1/billing/portal")
 async def portal(request: Request, caller: CurrentCaller) -> dict[str, Any]:
     """A Stripe customer-portal link where the account manages or cancels its subscription."""
-    settings: GatewaySettings = request.app.state.settings
-    stripe = _stripe(request)
-    customer_id = await _customer(request, caller, stripe)
-    try:
-        url = await stripe.create_portal_session(customer_id=customer_id, return_url=settings.public_url)
-    except BillingError as exc:
-        raise _unavailable(exc) from exc
-    return {"object": "billing_portal.session", "url": url}
+    return {"object": "billing_portal.session", "url": await portal_url(request.app.state, caller.account)}
 
 
 @router.post("/billing/stripe/webhook", include_in_schema=False)
 async def stripe_webhook(request: Request, payload: RawBody,
                          stripe_signature: Annotated[str | None, Header()] = None) -> dict[str, str]:
-    stripe = _stripe(request)
+    stripe = _stripe(request.app.state)
     try:
         event = stripe.verify_webhook(payload, stripe_signature)
     except InvalidWebhook as exc:

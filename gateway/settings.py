@@ -53,6 +53,9 @@ class GatewaySettings(CommonSettings):
     stripe_api_base: str = ""
     # Flatfare plan -> Stripe Price id, e.g. {"pro": "price_123", "premium": "price_456"}.
     stripe_prices: dict[str, str] = Field(default_factory=dict)
+    # Flatfare plan -> Stripe metered Price id (usage of the meter below), for plans with a per-request
+    # price: Checkout attaches it beside the monthly price, so Stripe invoices the requests.
+    stripe_metered_prices: dict[str, str] = Field(default_factory=dict)
     stripe_meter_event_name: str = "flatfare_requests"
     # Seconds a Stripe call may take before it counts as failed (and is retried, for meter events).
     stripe_timeout_s: float = 20.0

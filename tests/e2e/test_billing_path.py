@@ -24,7 +24,9 @@ from tests.conftest import eventually, launch_stack
 pytestmark = pytest.mark.e2e
 
 SECRET = "whsec_flatfare_test"
-PRICES = {"pro": "price_pro", "premium": "price_premium"}
+PRICES = {"pro": "price_pro", "premium": "price_premium", "free": "price_free"}
+# Metered per-request prices: premium's only, so pro (which charges per request too) cannot be sold.
+METERED = {"premium": "price_premium_requests"}
 MODEL = "instant"
 
 
@@ -49,6 +51,7 @@ def billing(tmp_path_factory) -> Iterator[tuple]:
     edge = StripeEdge(stripe_url).start()
     env = {"FLATFARE_STRIPE_API_KEY": "sk_test_flatfare", "FLATFARE_STRIPE_WEBHOOK_SECRET": SECRET,
            "FLATFARE_STRIPE_API_BASE": edge.url, "FLATFARE_STRIPE_PRICES": json.dumps(PRICES),
+           "FLATFARE_STRIPE_METERED_PRICES": json.dumps(METERED),
            "FLATFARE_BILLING_OUTBOX_INTERVAL_S": "0.2", "FLATFARE_AUTH_CACHE_TTL_S": "0.1"}
     try:
         with launch_stack(tmp_path_factory.mktemp("billing"), model=MODEL, worker_args=("--engine", "instant"),
@@ -206,3 +209,27 @@ def test_checkout_refuses_plans_without_a_price(billing) -> None:
     response = httpx.post(f"{stack.base_url}/v1/billing/checkout", json={"plan": "enterprise"},
                           headers={"Authorization": f"Bearer {stack.api_key}"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "plan"
+
+
+def test_checkout_attaches_the_metered_price_of_a_plan_that_charges_per_request(billing) -> None:
+    """Premium charges per request: its Checkout carries the monthly price and the metered one, so
+    Stripe invoices the requests; free charges nothing per request: its monthly price alone; pro
+    charges per request with no metered price configured: refused, never sold without it."""
+    stack, edge, _ = billing
+    auth = {"Authorization": f"Bearer {stack.api_key}"}
+    premium = httpx.post(f"{stack.base_url}/v1/billing/checkout", json={"plan": "premium"}, headers=auth)
+    assert premium.status_code == 200, premium.text
+    sent = edge.checkouts[-1]
+    assert (sent["line_items[0][price]"], sent["line_items[0][quantity]"]) == ("price_premium", "1")
+    assert sent["line_items[1][price]"] == "price_premium_requests"
+    assert "line_items[1][quantity]" not in sent  # a metered price takes no quantity
+    free = httpx.post(f"{stack.base_url}/v1/billing/checkout", json={"plan": "free"}, headers=auth)
+    assert free.status_code == 200, free.text
+    assert edge.checkouts[-1]["line_items[0][price]"] == "price_free"
+    assert not any(name.startswith("line_items[1]") for name in edge.checkouts[-1])
+    count = len(edge.checkouts)
+    pro = httpx.post(f"{stack.base_url}/v1/billing/checkout", json={"plan": "pro"}, headers=auth)
+    assert pro.status_code == 503, pro.text
+    assert pro.json()["error"]["code"] == "billing_not_configured"
+    assert "FLATFARE_STRIPE_METERED_PRICES" in pro.json()["error"]["message"]
+    assert len(edge.checkouts) == count  # nothing reached Stripe
