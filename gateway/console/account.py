@@ -8,7 +8,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import RedirectResponse, Response
 from sqlalchemy import func, select
 
-from flatfare.gateway.console.deps import ConsoleCustomer, ConsoleForm
+from flatfare.gateway.console import users
+from flatfare.gateway.console.deps import ConsoleCustomer, ConsoleForm, sessions_of
 from flatfare.gateway.console.pages import render
 from flatfare.storage.accounts import ensure_account
 from flatfare.storage.models import Account, ApiKey, Plan
@@ -21,7 +22,8 @@ TRIAL_FROM = "free"
 # Messages a redirect may ask for by name (never free text from the URL: a crafted link could say anything).
 FLASHES = {"trial": ("Your trial has started.", "ok"),
            "no-trial": ("The trial is not available for this account.", "error"),
-           "password": ("Your password was changed. Other sessions were logged out.", "ok")}
+           "password": ("Your password was changed. Other sessions were logged out.", "ok"),
+           "welcome": ("Welcome to Flatfare! Create an API key to make your first request.", "ok")}
 
 
 def flash(request: Request) -> dict[str, str]:
@@ -59,3 +61,25 @@ async def start_trial(request: Request, customer: ConsoleCustomer, form: Console
         account.trial_started_at = datetime.now(UTC)
         await ensure_account(db, account.name, TRIAL_PLAN)
     return RedirectResponse("/console?done=trial", status_code=303)
+
+
+@router.get("/account")
+async def account_page(request: Request, customer: ConsoleCustomer) -> Response:
+    return render(request, "account.html", {"customer": customer, **flash(request)})
+
+
+@router.post("/account/password")
+async def change_password(request: Request, customer: ConsoleCustomer, form: ConsoleForm) -> Response:
+    """A new password, after the current one is checked; every other session of the user ends."""
+    settings = request.app.state.settings
+    current = await users.authenticate(request.app.state.sessions, customer.user.email, form.get("current", ""))
+    if current is None:
+        return render(request, "account.html", {"customer": customer, "error": "The current password is not right."},
+                      status_code=400)
+    try:
+        users.check_new_password(form.get("password", ""), settings.console_min_password_length)
+    except users.ConsoleUserError as exc:
+        return render(request, "account.html", {"customer": customer, "error": str(exc)}, status_code=400)
+    await users.set_password(request.app.state.sessions, customer.user.id, form["password"])
+    await sessions_of(request).end_all(customer.user.id, keep=customer.session)
+    return RedirectResponse("/console/account?done=password", status_code=303)

@@ -47,7 +47,9 @@ async def login_page(request: Request, admin: bool = False) -> Response:
     if session is not None and session.logged_in:
         return RedirectResponse("/console/admin" if session.admin and session.user_id is None else "/console",
                                 status_code=303)
-    return await anonymous_page(request, "login.html", {"admin_tab": admin})
+    done = {"verified": "Your email is confirmed. Log in to continue.",
+            "reset": "Your password was changed. Log in with the new one."}.get(request.query_params.get("done", ""))
+    return await anonymous_page(request, "login.html", {"admin_tab": admin, "flash": done})
 
 
 @router.post("/login")

@@ -1,0 +1,46 @@
+"""Emails the console sends (password reset, address confirmation). With no SMTP host configured the
+message is written to the gateway's log instead, clearly marked, so a local operator can open the link."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import smtplib
+from email.message import EmailMessage
+
+from flatfare.gateway.settings import GatewaySettings
+
+log = logging.getLogger("flatfare.console")
+# The mark a reader (or `flatfare up`) looks for in the gateway's log.
+LOG_MARK = "CONSOLE EMAIL (no SMTP configured)"
+
+
+class Mailer:
+    def __init__(self, settings: GatewaySettings) -> None:
+        self._settings = settings
+
+    async def send(self, to: str, subject: str, text: str) -> None:
+        settings = self._settings
+        if not settings.smtp_host:
+            log.warning("%s to=%s subject=%r: %s", LOG_MARK, to, subject, text)
+            return
+        message = EmailMessage()
+        message["From"] = settings.smtp_from
+        message["To"] = to
+        message["Subject"] = subject
+        message.set_content(text)
+        try:
+            await asyncio.to_thread(self._deliver, message)
+        except (OSError, smtplib.SMTPException):
+            # Logged without the body: it holds a one-time link.
+            log.exception("could not send a console email to %s through %s:%s", to, settings.smtp_host,
+                          settings.smtp_port)
+
+    def _deliver(self, message: EmailMessage) -> None:
+        settings = self._settings
+        with smtplib.SMTP(settings.smtp_host, settings.smtp_port, timeout=20) as smtp:
+            if settings.smtp_starttls:
+                smtp.starttls()
+            if settings.smtp_user:
+                smtp.login(settings.smtp_user, settings.smtp_password.get_secret_value())
+            smtp.send_message(message)
