@@ -231,6 +231,8 @@ def launch_stack(data: Path, *, model: str = "smollm2-135m-instruct", worker_arg
         "FLATFARE_REDIS_URL": local_redis.url,
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_NO_USAGE_STATS": "1",
+        # The console over plain http: its session cookie without Secure (tests/console).
+        "FLATFARE_LOCAL_MODE": "1",
         **(env or {}),
     }
     migrate(database_url)
