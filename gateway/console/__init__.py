@@ -12,7 +12,7 @@ from fastapi.staticfiles import StaticFiles
 from redis.asyncio import Redis
 
 from flatfare.gateway.errors import error_body
-from flatfare.gateway.console import account, auth, keys, playground, quickstart, signup
+from flatfare.gateway.console import account, admin, auth, keys, playground, quickstart, signup
 from flatfare.gateway.console.deps import LoginRequired
 from flatfare.gateway.console.headers import ConsoleHeaders
 from flatfare.gateway.console.pages import STATIC_DIR, build_templates
@@ -31,6 +31,7 @@ def install(app: FastAPI, settings: GatewaySettings) -> None:
     app.include_router(auth.router)
     for module in (account, signup, keys, quickstart, playground):
         app.include_router(module.router)
+    app.include_router(admin.router)
     app.add_middleware(ConsoleHeaders)
 
     @app.exception_handler(LoginRequired)

@@ -1,0 +1,321 @@
+"""The admin console over plain HTTP against a running gateway (instant engine): every page renders,
+only an admin session reaches it, every write needs the session's CSRF token and the admin:write
+scope, goes through the admin API's services and lands in the audit log."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import httpx
+import pytest
+
+from flatfare.storage.db import create_engine, session_factory
+from flatfare.gateway.console.users import create_customer
+from tests.conftest import eventually, launch_stack
+
+pytestmark = pytest.mark.e2e
+
+CSRF = re.compile(r'name="csrf_token" value="([^"]+)"')
+CUSTOMER_EMAIL = "dev@example.com"
+CUSTOMER_PASSWORD = "correct horse battery"
+
+
+@pytest.fixture(scope="module")
+def astack(tmp_path_factory):
+    # Local mode: the session cookie is not Secure, so httpx sends it back over plain http.
+    with launch_stack(tmp_path_factory.mktemp("console-admin"), model="instant", worker_args=("--engine", "instant"),
+                      env={"FLATFARE_LOCAL_MODE": "true", "FLATFARE_PLANS_CACHE_TTL_S": "0.3"}) as stack:
+        token = stack.cli("admin", "bootstrap", "--name", "ops")
+        assert token.returncode == 0, token.stderr
+        stack.admin_token = token.stdout.strip()
+        api = httpx.Client(base_url=f"{stack.base_url}/admin/v1", timeout=30,
+                           headers={"Authorization": f"Bearer {stack.admin_token}"})
+        read_only = api.post("/tokens", json={"name": "viewer", "scopes": ["admin:read"]})
+        assert read_only.status_code == 201, read_only.text
+        stack.read_token = read_only.json()["token"]
+        # The instant worker's model, catalogued so the console can manage it.
+        assert api.post("/models", json={"name": "instant", "source": "instant"}).status_code == 201
+        stack.api = api
+
+        async def customer() -> None:
+            engine = create_engine(stack.database_url)
+            try:
+                assert await create_customer(session_factory(engine), CUSTOMER_EMAIL, CUSTOMER_PASSWORD,
+                                             verified=True) is not None
+            finally:
+                await engine.dispose()
+
+        asyncio.run(customer())
+        stack.customer_account = stack.sql("SELECT account_id FROM console_users WHERE email = :e",
+                                           e=CUSTOMER_EMAIL)[0][0]
+        yield stack
+        api.close()
+
+
+def csrf_of(html: str) -> str:
+    match = CSRF.search(html)
+    assert match, "no CSRF token on the page"
+    return match.group(1)
+
+
+def console(base_url: str) -> httpx.Client:
+    return httpx.Client(base_url=base_url, timeout=30, follow_redirects=False)
+
+
+def admin_login(base_url: str, token: str) -> tuple[httpx.Client, str]:
+    """A client logged in with an admin token, and its session's CSRF token."""
+    client = console(base_url)
+    page = client.get("/console/login", params={"admin": 1})
+    answer = client.post("/console/login", data={"csrf_token": csrf_of(page.text), "mode": "admin",
+                                                 "admin_token": token})
+    assert answer.status_code == 303 and answer.headers["location"] == "/console/admin", answer.text
+    dashboard = client.get("/console/admin")
+    assert dashboard.status_code == 200, dashboard.text
+    return client, csrf_of(dashboard.text)
+
+
+def customer_login(base_url: str) -> tuple[httpx.Client, str]:
+    client = console(base_url)
+    page = client.get("/console/login")
+    answer = client.post("/console/login", data={"csrf_token": csrf_of(page.text), "email": CUSTOMER_EMAIL,
+                                                 "password": CUSTOMER_PASSWORD})
+    assert answer.status_code == 303 and answer.headers["location"] == "/console", answer.text
+    return client, csrf_of(client.get("/console").text)
+
+
+@pytest.fixture(scope="module")
+def admin(astack) -> tuple[httpx.Client, str]:
+    client, csrf = admin_login(astack.base_url, astack.admin_token)
+    yield client, csrf
+    client.close()
+
+
+def audit_entries(astack, action: str) -> list[dict]:
+    return astack.api.get("/audit", params={"action": action, "limit": 200}).json()["data"]
+
+
+def e2e_account(astack) -> int:
+    return astack.sql("SELECT id FROM accounts WHERE name = 'e2e'")[0][0]
+
+
+def admin_pages(astack) -> list[str]:
+    account_id = e2e_account(astack)
+    return ["/console/admin", "/console/admin/accounts", "/console/admin/accounts?q=e2e",
+            f"/console/admin/accounts/{account_id}", "/console/admin/plans", "/console/admin/plans/pro",
+            "/console/admin/plans/pro/card", "/console/admin/models", "/console/admin/usage",
+            "/console/admin/usage?days=7", "/console/admin/audit"]
+
+
+def test_every_admin_page_renders_for_an_admin(astack, admin) -> None:
+    client, _ = admin
+    for path in admin_pages(astack):
+        page = client.get(path)
+        assert page.status_code == 200, (path, page.text[:500])
+        assert "text/html" in page.headers["content-type"]
+        assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
+    assert "e2e" in client.get("/console/admin/accounts", params={"q": "e2e"}).text
+    assert "No account matches" in client.get("/console/admin/accounts", params={"q": "nobody-here"}).text
+    # A console user's email finds its account too.
+    assert f"/console/admin/accounts/{astack.customer_account}\"" in client.get(
+        "/console/admin/accounts", params={"q": "dev@exa"}).text
+
+
+def test_nobody_but_an_admin_session_reaches_an_admin_page(astack) -> None:
+    """Anonymous visitors, API keys, admin tokens sent as headers and customers are sent to the admin
+    login (or, for htmx, answered 401 with where to go), and see no admin data."""
+    customer, customer_csrf = customer_login(astack.base_url)
+    callers = {
+        "anonymous": (console(astack.base_url), {}),
+        "api key": (console(astack.base_url), {"Authorization": f"Bearer {astack.api_key}"}),
+        "admin token header": (console(astack.base_url), {"Authorization": f"Bearer {astack.admin_token}"}),
+        "customer": (customer, {}),
+    }
+    for who, (client, headers) in callers.items():
+        for path in admin_pages(astack):
+            page = client.get(path, headers=headers)
+            assert page.status_code == 303, (who, path, page.status_code)
+            assert page.headers["location"] == "/console/login?admin=1", (who, path)
+        partial = client.get("/console/admin/models", headers={**headers, "HX-Request": "true",
+                                                                "HX-Target": "model-rows"})
+        assert partial.status_code == 401 and partial.headers["hx-redirect"] == "/console/login?admin=1", who
+        assert partial.json()["error"]["code"] == "login_required"
+    # A customer's own valid CSRF token does not make a write an admin's.
+    account_id = e2e_account(astack)
+    before = len(audit_entries(astack, "account.update"))
+    refused = customer.post(f"/console/admin/accounts/{account_id}/status",
+                            data={"csrf_token": customer_csrf, "status": "suspended"})
+    assert refused.status_code in (303, 401) and "admin=1" in refused.headers.get(
+        "location", refused.headers.get("hx-redirect", ""))
+    assert astack.sql("SELECT status FROM accounts WHERE id = :i", i=account_id) == [("active",)]
+    assert len(audit_entries(astack, "account.update")) == before
+
+
+def test_admin_writes_need_the_sessions_csrf_token(astack, admin) -> None:
+    client, csrf = admin
+    account_id = e2e_account(astack)
+    before = len(audit_entries(astack, "account.update")) + len(audit_entries(astack, "plan.update"))
+    writes = [(f"/console/admin/accounts/{account_id}/status", {"status": "suspended"}),
+              (f"/console/admin/accounts/{account_id}/plan", {"plan": "premium"}),
+              ("/console/admin/plans/pro", {"daily_limit": "7"}),
+              ("/console/admin/models/instant", {"pinned": "true"})]
+    for path, form in writes:
+        for token in (None, "forged-" + csrf[7:], ""):
+            data = form if token is None else {**form, "csrf_token": token}
+            refused = client.post(path, data=data)
+            assert refused.status_code == 403, (path, token, refused.text)
+            assert refused.json()["error"]["code"] == "csrf_failed"
+    assert astack.sql("SELECT status, plan FROM accounts WHERE id = :i", i=account_id) == [("active", "pro")]
+    assert astack.sql("SELECT daily_limit FROM plans WHERE name = 'pro'") != [(7,)]
+    assert len(audit_entries(astack, "account.update")) + len(audit_entries(astack, "plan.update")) == before
+
+
+def test_a_read_only_token_sees_but_cannot_write(astack) -> None:
+    client, csrf = admin_login(astack.base_url, astack.read_token)
+    account_id = e2e_account(astack)
+    assert client.get(f"/console/admin/accounts/{account_id}").status_code == 200
+    refused = client.post(f"/console/admin/accounts/{account_id}/status",
+                          data={"csrf_token": csrf, "status": "suspended"})
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "insufficient_scope"
+    refused = client.post("/console/admin/plans/pro", data={"csrf_token": csrf, "daily_limit": "5"})
+    assert refused.status_code == 403
+    assert astack.sql("SELECT status FROM accounts WHERE id = :i", i=account_id) == [("active",)]
+
+
+def _chat(astack, key: str) -> httpx.Response:
+    return httpx.post(f"{astack.base_url}/v1/chat/completions", timeout=30,
+                      headers={"Authorization": f"Bearer {key}"},
+                      json={"model": "instant", "messages": [{"role": "user", "content": "hi"}]})
+
+
+def test_suspend_and_reactivate_through_the_console_are_audited_and_take_effect(astack, admin) -> None:
+    client, csrf = admin
+    account_id = e2e_account(astack)
+    done = client.post(f"/console/admin/accounts/{account_id}/status", data={"csrf_token": csrf,
+                                                                           "status": "suspended"})
+    assert done.status_code == 303 and done.headers["location"].endswith("?done=suspended")
+    assert "The account was suspended." in client.get(done.headers["location"]).text
+    eventually(lambda: _chat(astack, astack.api_key), lambda r: r.status_code == 403, "the suspended key refused")
+    entry = audit_entries(astack, "account.update")[0]
+    assert (entry["actor"], entry["resource_id"]) == ("ops", str(account_id))
+    assert (entry["before"]["status"], entry["after"]["status"]) == ("active", "suspended")
+    # The htmx form gets the account's summary back, not a redirect.
+    again = client.post(f"/console/admin/accounts/{account_id}/status", data={"status": "active"},
+                        headers={"HX-Request": "true", "X-CSRF-Token": csrf})
+    assert again.status_code == 200 and 'id="account-summary"' in again.text and "<html" not in again.text
+    assert "The account is active again." in again.text
+    eventually(lambda: _chat(astack, astack.api_key), lambda r: r.status_code == 200, "the key works again")
+    assert audit_entries(astack, "account.update")[0]["after"]["status"] == "active"
+
+
+def test_change_plan_through_the_console(astack, admin) -> None:
+    client, csrf = admin
+    account_id = astack.customer_account
+    done = client.post(f"/console/admin/accounts/{account_id}/plan", data={"csrf_token": csrf, "plan": "premium"})
+    assert done.status_code == 303, done.text
+    assert astack.sql("SELECT plan FROM accounts WHERE id = :i", i=account_id) == [("premium",)]
+    entry = audit_entries(astack, "account.update")[0]
+    assert (entry["before"]["plan"], entry["after"]["plan"]) == ("free", "premium")
+    # An unknown plan is refused by the same service as the API's, shown on the page, and changes nothing.
+    refused = client.post(f"/console/admin/accounts/{account_id}/plan", data={"csrf_token": csrf, "plan": "gold"})
+    assert refused.status_code == 422 and "Unknown plan" in refused.text
+    assert astack.sql("SELECT plan FROM accounts WHERE id = :i", i=account_id) == [("premium",)]
+    assert client.get("/console/admin/accounts/999999").status_code == 404
+    assert client.get("/console/admin/accounts/0").status_code == 400
+
+
+def test_editing_a_plan_validates_like_the_api_and_audits(astack, admin) -> None:
+    client, csrf = admin
+    before = len(audit_entries(astack, "plan.update"))
+    original = astack.api.get("/plans/pro").json()
+    form = dict(re.findall(r'<input type="text" name="([a-z_]+)" value="([^"]*)"',
+                           client.get("/console/admin/plans/pro").text))
+    assert form["daily_limit"] == f"{original['daily_limit']}" and form["display_name"] == original["display_name"]
+    form["lane"] = re.search(r'<option value="(\w+)" selected>', client.get("/console/admin/plans/pro").text).group(1)
+    bad = {**form, "csrf_token": csrf, "daily_limit": "lots", "max_inflight": "0", "timezone": "Mars/Olympus",
+           "price_per_request": "-1"}
+    page = client.post("/console/admin/plans/pro", data=bad)
+    assert page.status_code == 422
+    assert "Enter a whole number." in page.text and "Enter an amount of zero or more." in page.text
+    assert "nothing was saved" in page.text
+    page = client.post("/console/admin/plans/pro", data={**form, "csrf_token": csrf, "max_inflight": "0",
+                                                          "timezone": "Mars/Olympus"})
+    assert page.status_code == 422
+    assert "greater than or equal to 1" in page.text and "Unknown timezone" in page.text
+    assert len(audit_entries(astack, "plan.update")) == before
+    # Unchanged: nothing is written.
+    same = client.post("/console/admin/plans/pro", data={**form, "csrf_token": csrf})
+    assert same.status_code == 303 and same.headers["location"].endswith("done=unchanged")
+    assert len(audit_entries(astack, "plan.update")) == before
+    # A real edit, through htmx: the card comes back with the new values; the audit entry has only them changed.
+    saved = client.post("/console/admin/plans/pro", headers={"HX-Request": "true", "X-CSRF-Token": csrf},
+                        data={**form, "daily_limit": "1,234", "price_per_request": "0.0025"})
+    assert saved.status_code == 200 and 'class="card plan-card' in saved.text and "1,234" in saved.text
+    assert astack.sql("SELECT daily_limit, price_per_request_micros FROM plans WHERE name = 'pro'") == [(1234, 2500)]
+    entry = audit_entries(astack, "plan.update")[0]
+    assert entry["actor"] == "ops" and entry["resource_id"] == "pro"
+    changed = {k for k in entry["after"] if entry["after"][k] != entry["before"][k]}
+    assert changed == {"daily_limit", "price_per_request_micros"}
+    # Put it back through the API (the same service).
+    restored = astack.api.patch("/plans/pro", json={k: original[k] for k in ("daily_limit", "price_per_request_micros")})
+    assert restored.status_code == 200
+
+
+def test_models_page_shows_live_state_and_its_writes_are_audited(astack, admin) -> None:
+    client, csrf = admin
+    assert _chat(astack, astack.api_key).status_code == 200
+
+    def row() -> str:
+        page = client.get("/console/admin/models", headers={"HX-Request": "true", "HX-Target": "model-rows"})
+        assert page.status_code == 200 and page.text.startswith('<tbody id="model-rows"')
+        return page.text.split("<strong>instant</strong>", 1)[1].split("</tr>", 1)[0]
+
+    live = eventually(row, lambda r: ">warm<" in r, "the instant worker shown warm")
+    cells = re.findall(r'<td class="num">(.*?)</td>', live, re.S)
+    assert cells[0].strip().startswith("1")  # one worker
+    requests_today = int(cells[4].replace(",", ""))
+    assert requests_today >= 1
+    done = client.post("/console/admin/models/instant", headers={"HX-Request": "true", "X-CSRF-Token": csrf},
+                       data={"min_workers": "2"})
+    assert done.status_code == 200 and '<span class="step-value">2</span>' in done.text
+    entry = audit_entries(astack, "model.update")[0]
+    assert (entry["resource_id"], entry["before"]["min_workers"], entry["after"]["min_workers"]) == ("instant", 0, 2)
+    bad = client.post("/console/admin/models/instant", headers={"HX-Request": "true", "X-CSRF-Token": csrf},
+                      data={"min_workers": "-3"})
+    assert bad.status_code == 200 and "greater than or equal to 0" in bad.text
+    assert astack.sql("SELECT min_workers FROM models WHERE name = 'instant'") == [(2,)]
+    client.post("/console/admin/models/instant", data={"csrf_token": csrf, "min_workers": "0"})
+    assert client.post("/console/admin/models/nope", data={"csrf_token": csrf, "pinned": "true"}).status_code == 404
+
+
+def test_platform_usage_counts_requests_and_revenue(astack, admin) -> None:
+    client, _ = admin
+    total = lambda: int(re.search(r"Requests, 30 days</div><div class=\"stat-value\">([\d,]+)<",  # noqa: E731
+                                  client.get("/console/admin/usage").text).group(1).replace(",", ""))
+    first = total()
+    assert _chat(astack, astack.api_key).status_code == 200
+    eventually(total, lambda n: n == first + 1, "the new request counted on the usage page")
+    page = client.get("/console/admin/usage", params={"days": 7}).text
+    assert page.count("<tr><td class=\"nowrap\">") == 7 and "data-chart=" in page
+    assert client.get("/console/admin/usage", params={"days": 0}).status_code == 400
+    assert client.get("/console/admin/usage", params={"days": 10_000}).status_code == 400
+
+
+def test_the_audit_log_is_paged_newest_first(astack, admin) -> None:
+    client, _ = admin
+    for limit in range(1, 56):
+        assert astack.api.patch("/plans/free", json={"max_output_tokens": 500 + limit}).status_code == 200
+    first = client.get("/console/admin/audit").text
+    shown = re.compile(r'plan <strong>free</strong>.*?max_output_tokens</span> <span class="old">\d+</span> → '
+                       r'<span class="new">(\d+)</span>', re.S)
+    ids = [int(i) for i in shown.findall(first)]
+    assert ids[:3] == [555, 554, 553]
+    older = re.search(r'href="/console/admin/audit\?before=(\d+)"', first)
+    assert older, "no link to older entries"
+    second = client.get("/console/admin/audit", params={"before": older.group(1)}).text
+    assert "Newest" in second
+    assert client.get("/console/admin/audit", params={"action": "plan.update"}).status_code == 200
+    assert client.get("/console/admin/audit", params={"before": -1}).status_code == 400
+    assert client.get("/console/admin/audit", params={"action": "x" * 65}).status_code == 400
+    assert client.get("/console/admin/accounts", params={"q": "x" * 129}).status_code == 400
+    astack.api.patch("/plans/free", json={"max_output_tokens": 512})
