@@ -162,9 +162,14 @@ async def change_status(request: Request, account_id: RowId, admin: ConsoleAdmin
 @router.get("/plans")
 async def plans(request: Request, admin: ConsoleAdmin) -> Response:
     async with request.app.state.sessions() as session:
-        rows = list(await session.scalars(select(Plan).order_by(Plan.retired, Plan.monthly_price_cents, Plan.name)))
+        rows = sorted(await session.scalars(select(Plan)), key=_plan_order)
         on_plan = dict((await session.execute(select(Account.plan, func.count()).group_by(Account.plan))).all())
     return _page(request, "admin/plans.html", {"rows": rows, "on_plan": on_plan})
+
+
+def _plan_order(plan: Plan) -> tuple[Any, ...]:
+    """As a price list reads: the cheapest first, unlimited (contract) plans last, retired ones after all."""
+    return (plan.retired, plan.daily_limit is None, plan.monthly_price_cents, plan.daily_limit or 0, plan.name)
 
 
 async def _plan(request: Request, name: str) -> Plan:

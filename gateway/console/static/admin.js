@@ -21,7 +21,7 @@
           {type: "bar", label: "Requests", data: data.requests, backgroundColor: primary, borderRadius: 4,
            maxBarThickness: 28, yAxisID: "y", order: 2},
           {type: "line", label: "Billable revenue", data: data.revenue, borderColor: ok, backgroundColor: ok,
-           pointRadius: 2, tension: 0.25, yAxisID: "revenue", order: 1}
+           pointRadius: 2, tension: 0, yAxisID: "revenue", order: 1}
         ]
       },
       options: {
