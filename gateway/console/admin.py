@@ -90,7 +90,8 @@ async def dashboard(request: Request, admin: ConsoleAdmin) -> Response:
     models, redis_up = await data.model_rows(state)
     return _page(request, "admin/dashboard.html", {
         "admin": admin, "accounts": accounts, "suspended": suspended, "keys": keys, "today": days[-1],
-        "chart": _chart(days), "models": models, "redis_up": redis_up, "recent": recent})
+        "chart": _chart(days), "models": models, "redis_up": redis_up,
+        "recent": [{"entry": e, "label": label(e)} for e in recent]})
 
 
 # -- accounts ----------------------------------------------------------------------------------
@@ -279,9 +280,16 @@ async def audit(request: Request, admin: ConsoleAdmin, before: IdFilter = None, 
         rows, next_before = await data.audit_page(session, before=before, action=action)
         actions = list(await session.scalars(select(AuditEntry.action).distinct().order_by(AuditEntry.action)
                                              .limit(100)))
-    entries = [{"entry": e, "changes": changes(e.before, e.after)} for e in rows]
+    entries = [{"entry": e, "changes": changes(e.before, e.after), "label": label(e)} for e in rows]
     return _page(request, "admin/audit.html", {"entries": entries, "next_before": next_before, "action": action,
                                                "actions": actions, "first": before is None})
+
+
+def label(entry: AuditEntry) -> str:
+    """The resource's name where its snapshot has one (an account's, a key's, a model's), else ''."""
+    snapshot = entry.after or entry.before or {}
+    name = snapshot.get("name")
+    return str(name) if name and str(name) != entry.resource_id else ""
 
 
 def changes(before: dict[str, Any] | None, after: dict[str, Any] | None) -> list[tuple[str, Any, Any]]:
