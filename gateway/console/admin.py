@@ -23,7 +23,7 @@ from flatfare.gateway.console.admin_forms import PLAN_FIELDS, plan_values, read_
 from flatfare.gateway.console.deps import ConsoleAdmin, ConsoleForm
 from flatfare.gateway.console.pages import render
 from flatfare.gateway.errors import APIError
-from flatfare.storage.models import Account, ApiKey, AuditEntry, Plan
+from flatfare.storage.models import Account, AuditEntry, Plan
 
 router = APIRouter(prefix="/console/admin", include_in_schema=False)
 
@@ -81,15 +81,12 @@ def _chart(days: list[Any]) -> dict[str, Any]:
 async def dashboard(request: Request, admin: ConsoleAdmin) -> Response:
     state = request.app.state
     async with state.sessions() as session:
-        accounts = await session.scalar(select(func.count()).select_from(Account))
-        suspended = await session.scalar(select(func.count()).select_from(Account)
-                                         .where(Account.status != "active"))
-        keys = await session.scalar(select(func.count()).select_from(ApiKey).where(ApiKey.revoked_at.is_(None)))
+        counts = await data.platform_counts(session)
         recent, _ = await data.audit_page(session, limit=6)
     days = await data.platform_usage(state, 14)
     models, redis_up = await data.model_rows(state)
     return _page(request, "admin/dashboard.html", {
-        "admin": admin, "accounts": accounts, "suspended": suspended, "keys": keys, "today": days[-1],
+        "admin": admin, "counts": counts, "today": days[-1],
         "chart": _chart(days), "models": models, "redis_up": redis_up,
         "recent": [{"entry": e, "label": label(e)} for e in recent]})
 
@@ -101,10 +98,7 @@ async def accounts(request: Request, admin: ConsoleAdmin, q: Search = "", after:
     async with request.app.state.sessions() as session:
         rows, next_after = await data.find_accounts(session, q, after=after)
         emails = await data.emails_of(session, [a.id for a in rows])
-        key_counts = dict((await session.execute(
-            select(ApiKey.account_id, func.count()).where(ApiKey.account_id.in_([a.id for a in rows]),
-                                                          ApiKey.revoked_at.is_(None))
-            .group_by(ApiKey.account_id))).all())
+        key_counts = await data.live_key_counts(session, [a.id for a in rows])
     context = {"rows": rows, "emails": emails, "key_counts": key_counts, "q": q, "next_after": next_after}
     if _htmx(request) and request.headers.get("hx-target") == "account-rows":
         return _page(request, "admin/_account_rows.html", context)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import or_, select
+from sqlalchemy import func, or_, select
 
 from flatfare import contract
 from flatfare.billing import usage as rollup
@@ -49,6 +49,30 @@ async def emails_of(session: Any, account_ids: list[int]) -> dict[int, list[str]
         for account_id, email in rows:
             found[account_id].append(email)
     return found
+
+
+async def live_key_counts(session: Any, account_ids: list[int]) -> dict[int, int]:
+    """Each account's keys that are not revoked."""
+    if not account_ids:
+        return {}
+    rows = await session.execute(select(ApiKey.account_id, func.count())
+                                 .where(ApiKey.account_id.in_(account_ids), ApiKey.revoked_at.is_(None))
+                                 .group_by(ApiKey.account_id))
+    return dict(rows.all())
+
+
+@dataclass(frozen=True, slots=True)
+class PlatformCounts:
+    accounts: int
+    inactive: int  # suspended or past due
+    live_keys: int
+
+
+async def platform_counts(session: Any) -> PlatformCounts:
+    accounts = await session.scalar(select(func.count()).select_from(Account))
+    inactive = await session.scalar(select(func.count()).select_from(Account).where(Account.status != "active"))
+    keys = await session.scalar(select(func.count()).select_from(ApiKey).where(ApiKey.revoked_at.is_(None)))
+    return PlatformCounts(int(accounts or 0), int(inactive or 0), int(keys or 0))
 
 
 @dataclass
