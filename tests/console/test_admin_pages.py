@@ -1,18 +1,20 @@
-"""The admin console over plain HTTP against a running gateway (instant engine): every page renders,
-only an admin session reaches it, every write needs the session's CSRF token and the admin:write
-scope, goes through the admin API's services and lands in the audit log."""
+"""The admin console against a running gateway (instant engine), on SQLite and PostgreSQL: over plain
+HTTP, every page renders, only an admin session reaches it, every write needs the session's CSRF
+token and the admin:write scope, goes through the admin API's services and lands in the audit log;
+in a real browser (Chromium, tests/console/conftest.py's ``page``), an admin changes a plan's daily
+limit and the customer's /v1/usage and console page show it. That test also takes the admin
+screenshots (docs/screenshots/admin-*.png, with FLATFARE_TEST_SCREENSHOTS=1)."""
 
 from __future__ import annotations
 
-import asyncio
+import os
 import re
+from pathlib import Path
 
 import httpx
 import pytest
 
-from flatfare.storage.db import create_engine, session_factory
-from flatfare.gateway.console.users import create_customer
-from tests.conftest import eventually, launch_stack
+from tests.conftest import eventually, launch_stack, postgres_database
 
 pytestmark = pytest.mark.e2e
 
@@ -21,11 +23,19 @@ CUSTOMER_EMAIL = "dev@example.com"
 CUSTOMER_PASSWORD = "correct horse battery"
 
 
-@pytest.fixture(scope="module")
-def astack(tmp_path_factory):
-    # Local mode: the session cookie is not Secure, so httpx sends it back over plain http.
-    with launch_stack(tmp_path_factory.mktemp("console-admin"), model="instant", worker_args=("--engine", "instant"),
-                      env={"FLATFARE_LOCAL_MODE": "true", "FLATFARE_PLANS_CACHE_TTL_S": "0.3"}) as stack:
+@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def astack(request, tmp_path_factory):
+    database = postgres_database() if request.param == "postgresql" else iter([None])
+    try:
+        yield from _admin_stack(tmp_path_factory.mktemp(f"console-admin-{request.param}"), next(database))
+    finally:
+        for _ in database:  # drops the PostgreSQL database
+            pass
+
+
+def _admin_stack(data, database_url):
+    with launch_stack(data, model="instant", worker_args=("--engine", "instant"), database_url=database_url,
+                      env={"FLATFARE_PLANS_CACHE_TTL_S": "0.3"}) as stack:
         token = stack.cli("admin", "bootstrap", "--name", "ops")
         assert token.returncode == 0, token.stderr
         stack.admin_token = token.stdout.strip()
@@ -38,15 +48,11 @@ def astack(tmp_path_factory):
         assert api.post("/models", json={"name": "instant", "source": "instant"}).status_code == 201
         stack.api = api
 
-        async def customer() -> None:
-            engine = create_engine(stack.database_url)
-            try:
-                assert await create_customer(session_factory(engine), CUSTOMER_EMAIL, CUSTOMER_PASSWORD,
-                                             verified=True) is not None
-            finally:
-                await engine.dispose()
-
-        asyncio.run(customer())
+        with console(stack.base_url) as visitor:  # a customer signs up, as anyone can
+            form = visitor.get("/console/signup")
+            made = visitor.post("/console/signup", data={"csrf_token": csrf_of(form.text), "email": CUSTOMER_EMAIL,
+                                                         "password": CUSTOMER_PASSWORD})
+            assert made.status_code == 303, made.text
         stack.customer_account = stack.sql("SELECT account_id FROM console_users WHERE email = :e",
                                            e=CUSTOMER_EMAIL)[0][0]
         yield stack
@@ -257,7 +263,8 @@ def test_editing_a_plan_validates_like_the_api_and_audits(astack, admin) -> None
     changed = {k for k in entry["after"] if entry["after"][k] != entry["before"][k]}
     assert changed == {"daily_limit", "price_per_request_micros"}
     # Put it back through the API (the same service).
-    restored = astack.api.patch("/plans/pro", json={k: original[k] for k in ("daily_limit", "price_per_request_micros")})
+    restored = astack.api.patch("/plans/pro", json={k: original[k]
+                                                     for k in ("daily_limit", "price_per_request_micros")})
     assert restored.status_code == 200
 
 
@@ -296,7 +303,7 @@ def test_platform_usage_counts_requests_and_revenue(astack, admin) -> None:
     assert _chat(astack, astack.api_key).status_code == 200
     eventually(total, lambda n: n == first + 1, "the new request counted on the usage page")
     page = client.get("/console/admin/usage", params={"days": 7}).text
-    assert page.count("<tr><td class=\"nowrap\">") == 7 and "data-chart=" in page
+    assert len(re.findall(r'<td class="nowrap">\d{4}-\d\d-\d\d</td>', page)) == 7 and "data-chart=" in page
     assert client.get("/console/admin/usage", params={"days": 0}).status_code == 400
     assert client.get("/console/admin/usage", params={"days": 10_000}).status_code == 400
 
@@ -319,3 +326,108 @@ def test_the_audit_log_is_paged_newest_first(astack, admin) -> None:
     assert client.get("/console/admin/audit", params={"action": "x" * 65}).status_code == 400
     assert client.get("/console/admin/accounts", params={"q": "x" * 129}).status_code == 400
     astack.api.patch("/plans/free", json={"max_output_tokens": 512})
+
+
+# -- in a real browser (Debian's Chromium through Playwright: tests/console/conftest.py) -------
+
+DEMO_ACCOUNTS = [("acme-robotics", "premium", 14), ("globex", "pro", 9), ("initech", "free", 0),
+                 ("umbrella-labs", "enterprise", 6), ("hooli", "trial", 3)]
+
+
+SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
+
+
+def screenshot(page, name: str, tmp_path) -> None:  # noqa: ANN001 - a Playwright Page
+    """What the browser shows (1280x900, no full-page stitching: the sidebar is sticky), into
+    docs/screenshots with FLATFARE_TEST_SCREENSHOTS=1 (README shows them)."""
+    folder = SCREENSHOTS if os.environ.get("FLATFARE_TEST_SCREENSHOTS") == "1" else tmp_path
+    folder.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(folder / f"{name}.png"))
+
+
+@pytest.fixture(scope="module")
+def populated(astack) -> None:
+    """A few accounts made through the admin API, each with a key and some real requests (the instant
+    engine answers at once), so the pages show a platform in use."""
+    for name, plan, requests in DEMO_ACCOUNTS:
+        made = astack.api.post("/accounts", json={"name": name, "plan": plan,
+                                                  **({"unlimited": True} if plan == "enterprise" else {})})
+        assert made.status_code == 201, made.text
+        key = astack.api.post(f"/accounts/{made.json()['id']}/keys", json={"name": "production"}).json()["key"]
+        for _ in range(requests):
+            assert _chat(astack, key).status_code == 200
+    soylent = astack.api.post("/accounts", json={"name": "soylent", "plan": "pro"}).json()
+    astack.api.patch(f"/accounts/{soylent['id']}", json={"status": "suspended"})
+
+
+def test_an_admin_changes_a_plans_daily_limit_in_the_browser_and_the_customer_sees_it(  # noqa: PLR0915
+        astack, populated, page, tmp_path) -> None:  # noqa: ANN001
+    base = astack.base_url
+    customer_id = astack.customer_account
+    original = astack.api.get("/accounts/" + str(customer_id)).json()["plan"]
+    limit_before = astack.api.get(f"/plans/{original}").json()["daily_limit"]
+    key = astack.api.post(f"/accounts/{customer_id}/keys", json={"name": "laptop"}).json()["key"]
+
+    def usage_limit() -> int | None:
+        answer = httpx.get(f"{base}/v1/usage", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["today"]["limit"]
+
+    assert usage_limit() == limit_before
+    new_limit = limit_before + 77
+    page.set_viewport_size({"width": 1280, "height": 900})
+    try:
+        page.goto(f"{base}/console/login?admin=1")
+        page.fill("input[name=admin_token]", astack.admin_token)
+        page.click("button:has-text('Sign in')")
+        page.wait_for_url(f"{base}/console/admin")
+        screenshot(page, "admin-dashboard", tmp_path)
+
+        page.click("nav >> text=Accounts")
+        page.wait_for_url(f"{base}/console/admin/accounts")
+        screenshot(page, "admin-accounts", tmp_path)
+        page.fill("input[name=q]", "acme")  # htmx searches as one types
+        page.locator("#account-rows >> text=globex").wait_for(state="detached")
+        page.click("#account-rows >> text=acme-robotics")
+        page.wait_for_url(re.compile(r".*/console/admin/accounts/\d+$"))
+        screenshot(page, "admin-account", tmp_path)
+
+        page.click("nav >> text=Plans")
+        page.wait_for_url(f"{base}/console/admin/plans")
+        screenshot(page, "admin-plans", tmp_path)
+        card = page.locator(f"#plan-{original}")
+        card.locator("text=Edit").click()
+        form = page.locator(f"form#plan-{original}")
+        form.wait_for()
+        # A value the admin API would refuse is refused here, beside its field, and nothing is saved.
+        form.locator("input[name=daily_limit]").fill("-5")
+        form.locator("button:has-text('Save plan')").click()
+        form.locator(".field-error").wait_for()
+        assert "greater than or equal to 0" in form.locator(".field-error").inner_text()
+        form.locator("h3").scroll_into_view_if_needed()
+        page.mouse.wheel(0, -60)
+        screenshot(page, "admin-plan-edit", tmp_path)
+        assert usage_limit() == limit_before
+        form.locator("input[name=daily_limit]").fill(str(new_limit))
+        form.locator("button:has-text('Save plan')").click()
+        page.locator(f"article#plan-{original} [data-field=daily_limit]").wait_for()
+        assert page.locator(f"article#plan-{original} [data-field=daily_limit]").inner_text() == f"{new_limit:,}"
+
+        entry = audit_entries(astack, "plan.update")[0]
+        assert (entry["actor"], entry["resource_id"]) == ("ops", original)
+        assert (entry["before"]["daily_limit"], entry["after"]["daily_limit"]) == (limit_before, new_limit)
+        # The customer sees it: /v1/usage with their key, and their console's overview.
+        eventually(usage_limit, lambda limit: limit == new_limit, "the new limit in /v1/usage")
+        customer, _ = customer_login(base)
+        assert f"{new_limit:,}" in customer.get("/console").text
+        customer.close()
+
+        for name in ("models", "usage", "audit"):
+            page.click(f"nav >> text={ {'models': 'Models', 'usage': 'Platform usage', 'audit': 'Audit log'}[name] }")
+            page.wait_for_url(f"{base}/console/admin/{name}")
+            if name == "usage":
+                page.locator("canvas[data-chart]").wait_for()
+            screenshot(page, f"admin-{name}", tmp_path)
+        assert page.locator("td >> text=plan.update").count() >= 1
+    finally:
+        astack.api.patch(f"/plans/{original}", json={"daily_limit": limit_before})
