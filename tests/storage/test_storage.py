@@ -281,7 +281,8 @@ def _schema(database_url: str) -> tuple[dict[str, set[str]], str | None, int]:
 
 
 def _default_model_options(database_url: str) -> object:
-    """The seeded default model's engine options (a migration may change only those: 0006)."""
+    """The catalog's seeded entries and their engine options (a migration may change only those: 0006
+    changes the default model's, 0009 adds gemma3-270m)."""
     from sqlalchemy import create_engine as create_sync_engine
     from sqlalchemy import text
 
@@ -291,12 +292,12 @@ def _default_model_options(database_url: str) -> object:
     try:
         with engine.connect() as conn:
             try:
-                raw = conn.execute(text("SELECT engine_options FROM models WHERE name = 'smollm2-135m-instruct'")).scalar()
+                rows = conn.execute(text("SELECT name, engine_options FROM models")).all()
             except Exception:  # noqa: BLE001 - no models table at this revision
                 return None
     finally:
         engine.dispose()
-    return json.loads(raw) if isinstance(raw, str) else raw
+    return {name: json.loads(raw) if isinstance(raw, str) else raw for name, raw in rows}
 
 
 def test_downgrade_and_upgrade_again(database_url: str) -> None:
