@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
@@ -255,6 +255,22 @@ def launch_stack(data: Path, *, model: str = "smollm2-135m-instruct", worker_arg
         stop_process(gateway)
         stop_process(stack.worker)
         local_redis.stop()
+
+
+@contextmanager
+def launch_worker(stack: Stack, model: str, *worker_args: str) -> Iterator[subprocess.Popen[bytes]]:
+    """One more worker, of ``model``, on ``stack``'s Redis and database (its log: ``worker-<model>.log``),
+    warm when this yields; stopped (SIGTERM: it drains and deregisters) on exit. A second model on the
+    shared stack costs one engine start instead of a whole stack's."""
+    log = (stack.logs / f"worker-{model}.log").open("ab")
+    worker = subprocess.Popen([sys.executable, "-m", "flatfare", "worker", "--model", model, *worker_args],
+                              env=stack.env, cwd=stack.logs.parent, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_ready(replace(stack, worker=worker, model=model))
+        yield worker
+    finally:
+        stop_process(worker)
+        log.close()
 
 
 @contextmanager
