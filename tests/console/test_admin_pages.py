@@ -376,6 +376,10 @@ def test_an_admin_changes_a_plans_daily_limit_in_the_browser_and_the_customer_se
     assert usage_limit() == limit_before
     new_limit = limit_before + 77
     page.set_viewport_size({"width": 1280, "height": 900})
+    # Anything the page's scripts or the CSP refuse (an inline style or script) shows up here.
+    problems: list[str] = []
+    page.on("console", lambda message: problems.append(message.text) if message.type == "error" else None)
+    page.on("pageerror", lambda error: problems.append(str(error)))
     try:
         page.goto(f"{base}/console/login?admin=1")
         page.fill("input[name=admin_token]", astack.admin_token)
@@ -391,6 +395,12 @@ def test_an_admin_changes_a_plans_daily_limit_in_the_browser_and_the_customer_se
         page.click("#account-rows >> text=acme-robotics")
         page.wait_for_url(re.compile(r".*/console/admin/accounts/\d+$"))
         screenshot(page, "admin-account", tmp_path)
+        acme = int(page.url.rsplit("/", 1)[1])
+        page.select_option("#account-summary select[name=plan]", "pro")
+        page.click("#account-summary button:has-text('Change plan')")  # htmx swaps the summary in place
+        page.locator("#account-summary >> text=The account's plan was changed.").wait_for()
+        assert astack.sql("SELECT plan FROM accounts WHERE id = :i", i=acme) == [("pro",)]
+        assert audit_entries(astack, "account.update")[0]["after"]["plan"] == "pro"
 
         page.click("nav >> text=Plans")
         page.wait_for_url(f"{base}/console/admin/plans")
@@ -428,6 +438,13 @@ def test_an_admin_changes_a_plans_daily_limit_in_the_browser_and_the_customer_se
             if name == "usage":
                 page.locator("canvas[data-chart]").wait_for()
             screenshot(page, f"admin-{name}", tmp_path)
+            if name == "models":
+                row = page.locator("#model-rows tr", has_text="instant").first
+                row.locator("button[aria-label='One more']").click()
+                page.locator("#model-rows tr", has_text="instant").first.locator(".step-value", has_text="1").wait_for()
+                assert astack.sql("SELECT min_workers FROM models WHERE name = 'instant'") == [(1,)]
+                astack.api.patch("/models/instant", json={"min_workers": 0})
         assert page.locator("td >> text=plan.update").count() >= 1
+        assert problems == []
     finally:
         astack.api.patch(f"/plans/{original}", json={"daily_limit": limit_before})
