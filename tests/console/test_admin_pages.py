@@ -188,6 +188,28 @@ def test_a_read_only_token_sees_but_cannot_write(astack) -> None:
     assert astack.sql("SELECT status FROM accounts WHERE id = :i", i=account_id) == [("active",)]
 
 
+def test_an_admin_user_logs_in_with_a_password_and_is_audited_by_email(astack) -> None:
+    from argon2 import PasswordHasher
+
+    astack.sql("INSERT INTO console_users (email, password_hash, is_admin, email_verified_at, created_at) "
+               "VALUES ('boss@example.com', :h, :t, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)",
+               h=PasswordHasher().hash(CUSTOMER_PASSWORD), t=True)
+    client = console(astack.base_url)
+    form = client.get("/console/login")
+    answer = client.post("/console/login", data={"csrf_token": csrf_of(form.text), "email": "boss@example.com",
+                                                 "password": CUSTOMER_PASSWORD})
+    assert answer.status_code == 303 and answer.headers["location"] == "/console/admin"
+    csrf = csrf_of(client.get("/console/admin").text)
+    done = client.post("/console/admin/plans/free", data={**dict(re.findall(
+        r'<input type="text" name="([a-z_]+)" value="([^"]*)"', client.get("/console/admin/plans/free").text)),
+        "lane": "standard", "csrf_token": csrf, "max_inflight": "5"})
+    assert done.status_code == 303, done.text
+    entry = audit_entries(astack, "plan.update")[0]
+    assert (entry["actor"], entry["actor_id"], entry["after"]["max_inflight"]) == ("console:boss@example.com", None, 5)
+    astack.api.patch("/plans/free", json={"max_inflight": entry["before"]["max_inflight"]})
+    client.close()
+
+
 def _chat(astack, key: str) -> httpx.Response:
     return httpx.post(f"{astack.base_url}/v1/chat/completions", timeout=30,
                       headers={"Authorization": f"Bearer {key}"},
