@@ -146,6 +146,8 @@ def test_nobody_but_an_admin_session_reaches_an_admin_page(astack) -> None:
                                                                 "HX-Target": "model-rows"})
         assert partial.status_code == 401 and partial.headers["hx-redirect"] == "/console/login?admin=1", who
         assert partial.json()["error"]["code"] == "login_required"
+        write = client.post("/console/admin/plans/free", headers=headers, data={"daily_limit": "1"})
+        assert write.status_code == 401 and write.json()["error"]["code"] == "login_required", who
     # A customer's own valid CSRF token does not make a write an admin's.
     account_id = e2e_account(astack)
     before = len(audit_entries(astack, "account.update"))
