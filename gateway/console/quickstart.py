@@ -43,7 +43,10 @@ console.log(reply.choices[0].message.content);""",
 
 @router.get("/quickstart")
 async def quickstart(request: Request, customer: ConsoleCustomer) -> Response:
-    base_url = request.app.state.settings.public_url.rstrip("/") + "/v1"
+    settings = request.app.state.settings
+    # The operator's public URL when set; otherwise the address this page was reached at.
+    public = settings.public_url if "public_url" in settings.model_fields_set else str(request.base_url)
+    base_url = public.rstrip("/") + "/v1"
     models = await plan_models(request, customer.account)
     model = request.query_params.get("model")
     if model not in models:
