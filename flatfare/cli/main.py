@@ -30,13 +30,14 @@ def _fail(message: str) -> None:
 
 @app.command()
 def up(
-    model: Annotated[str, typer.Option(help="Model the local worker serves.")] = DEFAULT_MODEL,
+    model: Annotated[list[str] | None, typer.Option(
+        help="A model to serve, one CPU worker each; repeat for more. Default: both built-in models.")] = None,
     port: Annotated[int, typer.Option(help="Gateway port on 127.0.0.1.")] = 8000,
 ) -> None:
-    """Start the whole platform locally: Redis, migrations, one CPU worker and the gateway."""
+    """Start the whole platform locally: Redis, migrations, a CPU worker per model and the gateway."""
     from flatfare.cli.up import run_up
 
-    sys.exit(run_up(model=model, port=port))
+    sys.exit(run_up(models=model, port=port))
 
 
 @app.command()
