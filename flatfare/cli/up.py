@@ -47,6 +47,8 @@ def _child_env(settings: CommonSettings, redis_url: str) -> dict[str, str]:
     # attribute 'finalize_loading'") and compiles again at every start; without AOT a later start reuses
     # the kernels PyTorch cached (/tmp/torchinductor_$USER): ready in 53 s instead of 118 s on 2 cores.
     env.setdefault("VLLM_USE_AOT_COMPILE", "0")
+    # The web console is served over plain http on 127.0.0.1: its session cookie cannot be Secure.
+    env.setdefault("FLATFARE_LOCAL_MODE", "1")
     return env
 
 
@@ -113,9 +115,27 @@ Python (pip install openai):
 
 Models and what each can do: curl {base_url}/v1/models -H "Authorization: Bearer {key}"
 Prometheus metrics: {base_url}/metrics
+Web console: {base_url}/console (sign up, keys, playground; admins log in with `flatfare admin bootstrap`'s token)
 
 Press Ctrl-C to stop.
 """
+
+
+def _print_console_emails(log_path: Path, offset: int) -> int:
+    """Print the console's emails (reset and confirmation links) the gateway logged for want of an SMTP
+    server since ``offset``; the new offset."""
+    from flatfare.gateway.console.mail import LOG_MARK
+
+    try:
+        with log_path.open("rb") as handle:
+            handle.seek(offset)
+            new = handle.read()
+    except OSError:
+        return offset
+    for line in new.decode(errors="replace").splitlines():
+        if LOG_MARK in line:
+            console.print(line, style="bold yellow", soft_wrap=True, highlight=False, markup=False)
+    return offset + len(new)
 
 
 def run_up(models: list[str] | None, port: int) -> int:
@@ -185,11 +205,14 @@ def run_up(models: list[str] | None, port: int) -> int:
         console.print(f"ready in {time.monotonic() - started:.1f} s")
         # soft_wrap: long lines stay whole so they copy-paste as printed.
         console.print(_examples(base_url, key, models), soft_wrap=True, highlight=False)
+        gateway_log = logs / "gateway.log"
+        mail_offset = gateway_log.stat().st_size if gateway_log.exists() else 0
         while not stop_requested:
             for name, child in children:
                 if child.poll() is not None:
                     console.print(f"[red]the {name} exited[/] (code {child.returncode}); logs in {logs}")
                     return 1
+            mail_offset = _print_console_emails(gateway_log, mail_offset)
             time.sleep(0.5)
         return 0
     except KeyboardInterrupt:
