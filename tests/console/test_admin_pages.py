@@ -304,7 +304,7 @@ def test_models_page_shows_live_state_and_its_writes_are_audited(astack, admin) 
     live = eventually(row, lambda r: ">warm<" in r, "the instant worker shown warm")
     cells = re.findall(r'<td class="num">(.*?)</td>', live, re.S)
     assert cells[0].strip().startswith("1")  # one worker
-    requests_today = int(cells[4].replace(",", ""))
+    requests_today = int(cells[3].replace(",", ""))
     assert requests_today >= 1
     done = client.post("/console/admin/models/instant", headers={"HX-Request": "true", "X-CSRF-Token": csrf},
                        data={"min_workers": "2"})
