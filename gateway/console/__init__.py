@@ -12,7 +12,7 @@ from fastapi.staticfiles import StaticFiles
 from redis.asyncio import Redis
 
 from flatfare.gateway.errors import error_body
-from flatfare.gateway.console import account, admin, auth, keys, playground, quickstart, signup
+from flatfare.gateway.console import account, admin, auth, billing, keys, playground, quickstart, signup, usage
 from flatfare.gateway.console.deps import LoginRequired
 from flatfare.gateway.console.headers import ConsoleHeaders
 from flatfare.gateway.console.pages import STATIC_DIR, build_templates
@@ -29,7 +29,7 @@ def install(app: FastAPI, settings: GatewaySettings) -> None:
     app.state.console_templates = build_templates()
     app.mount("/console/static", StaticFiles(directory=STATIC_DIR), name="console-static")
     app.include_router(auth.router)
-    for module in (account, signup, keys, quickstart, playground):
+    for module in (account, signup, keys, quickstart, playground, usage, billing):
         app.include_router(module.router)
     app.include_router(admin.router)
     app.add_middleware(ConsoleHeaders)
