@@ -12,6 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from flatfare.cli.admin import app as admin_app
+from flatfare.cli.console_users import app as console_users_app
 from flatfare.settings import DEFAULT_MODEL, CommonSettings
 
 app = typer.Typer(help="Flatfare: an OpenAI-compatible LLM API with flat per-request pricing.",
@@ -21,6 +22,7 @@ app.add_typer(keys_app, name="keys")
 billing_app = typer.Typer(help="Usage reporting to Stripe.", no_args_is_help=True)
 app.add_typer(billing_app, name="billing")
 app.add_typer(admin_app, name="admin")
+app.add_typer(console_users_app, name="console-users")
 
 
 def _fail(message: str) -> None:
