@@ -109,7 +109,7 @@ def test_a_forced_call_is_a_valid_call_streamed_or_not(client: openai.OpenAI, ch
     assert_valid_call(name, arguments)
 
 
-def test_auto_answers_with_text_or_a_parsed_call(client: openai.OpenAI) -> None:
+def test_auto_answers_with_text_or_a_parsed_call_streamed_or_not(client: openai.OpenAI) -> None:
     whole = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=64, temperature=0)
     message = whole.choices[0].message
     if message.tool_calls:
@@ -117,6 +117,11 @@ def test_auto_answers_with_text_or_a_parsed_call(client: openai.OpenAI) -> None:
         assert whole.choices[0].finish_reason == "tool_calls"
     else:  # text, and not a call the parser failed to read
         assert message.content and not message.content.strip().startswith("[get_weather("), message
+    name, arguments, content = streamed_call(client, tool_choice="auto")
+    if name is not None:
+        assert_valid_call(name, arguments)
+    else:
+        assert content and not content.strip().startswith("[get_weather("), content
 
 
 def test_the_turn_after_a_tool_result_answers_in_text(client: openai.OpenAI) -> None:
