@@ -178,3 +178,17 @@ def test_failed_logins_are_limited_per_account_and_per_address(stack: Stack, cus
     finally:
         client.close()
         clear_attempts(stack.redis_url)
+
+
+def test_oversized_and_malformed_forms_are_refused_with_an_error_body(stack: Stack, customer: ConsoleClient) -> None:
+    big = customer.post("/console/keys", {"name": "x" * (100 * 1024)})
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    fields = customer.post("/console/keys", {f"f{i}": "1" for i in range(200)})
+    assert fields.status_code == 400 and fields.json()["error"]["code"] == "invalid_form"
+    as_json = customer.http.post("/console/keys", json={"name": "x", "csrf_token": customer.csrf})
+    assert as_json.status_code == 415 and as_json.json()["error"]["type"]
+    chat = customer.http.post("/console/playground/chat", headers={"X-CSRF-Token": customer.csrf},
+                              json={"model": stack.model, "messages": [{"role": "user", "content": "x" * 40_000}]})
+    assert chat.status_code == 400 and chat.json()["error"]["code"] == "invalid_request"
+    bad_limit = customer.post("/console/keys", {"name": "x", "daily_limit": "0"})
+    assert bad_limit.status_code == 400 and "daily_limit" in bad_limit.text
