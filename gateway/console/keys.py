@@ -4,6 +4,7 @@ up with the customer's own account id in the query: another account's key id is 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Annotated
 
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import RedirectResponse, Response
@@ -17,7 +18,6 @@ from flatfare.gateway.console.pages import render
 from flatfare.gateway.errors import APIError
 from flatfare.storage.accounts import KeyLimitsUpdate, issue_key
 from flatfare.storage.models import ApiKey
-from typing import Annotated
 
 router = APIRouter(prefix="/console", include_in_schema=False)
 
