@@ -266,7 +266,11 @@ def launch_worker(stack: Stack, model: str, *worker_args: str) -> Iterator[subpr
     worker = subprocess.Popen([sys.executable, "-m", "flatfare", "worker", "--model", model, *worker_args],
                               env=stack.env, cwd=stack.logs.parent, stdout=log, stderr=subprocess.STDOUT)
     try:
-        _wait_ready(replace(stack, worker=worker, model=model))
+        try:
+            _wait_ready(replace(stack, worker=worker, model=model))
+        except RuntimeError as exc:  # its message quotes the stack's own worker.log: add this one's
+            tail = (stack.logs / f"worker-{model}.log").read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"{exc}\nthe {model} worker's log:\n{tail}") from exc
         yield worker
     finally:
         stop_process(worker)
