@@ -188,14 +188,15 @@ def _measure(kind: str, url: str, args: argparse.Namespace, data: tuple) -> dict
     started = time.perf_counter()
     migrate(url)  # 0008: the rollup, backfilled from the ledger just loaded
     backfill_s = time.perf_counter() - started
-    with create_engine(make_url(url).set(drivername="sqlite" if kind == "sqlite" else "postgresql+psycopg")).connect() as db:
+    driver = "sqlite" if kind == "sqlite" else "postgresql+psycopg"
+    with create_engine(make_url(url).set(drivername=driver)).connect() as db:
         rollup_rows = db.execute(text("SELECT count(*) FROM usage_daily")).scalar()
         ledger_rows = db.execute(text("SELECT count(*) FROM requests")).scalar()
         if kind == "postgresql":
             db.execute(text("ANALYZE"))
             db.commit()
-    print(f"[console] {kind}: loaded in {load_s:.0f} s, backfill {backfill_s:.1f} s, {rollup_rows:,} rollup rows; timing",
-          flush=True)
+    print(f"[console] {kind}: loaded in {load_s:.0f} s, backfill {backfill_s:.1f} s, {rollup_rows:,} rollup rows; "
+          "timing", flush=True)
     timings = asyncio.run(_time(url, args.accounts, args.samples))
     return {"kind": kind, "load_s": load_s, "backfill_s": backfill_s, "rollup_rows": rollup_rows,
             "ledger_rows": ledger_rows, "timings": timings}
@@ -222,7 +223,8 @@ def _report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
              f"3 models, 5 % failed free), random accounts per view. Server time of the database work each page "
              "does, in one session (a pooled connection): the query functions the page handlers call "
              "(billing/usage.py), not the HTTP round trip. Goal: p95 <= 50 ms per page on both databases.", "",
-             "| database | page | views | p50 ms | p95 ms | max ms | goal |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| database | page | views | p50 ms | p95 ms | max ms | goal |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for result in results:
         for name, values in result["timings"].items():
             p95 = _p(values, 95)
@@ -238,7 +240,11 @@ def _report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
               "up to 40 % between runs); PostgreSQL 127.0.0.1, SQLite file in a temp folder, WAL.",
               "The rollup pages read only `usage_daily` (primary key account, day, key, model) and "
               "`usage_platform_daily` (day, model); the ledger GROUP BYs are what the pages would cost without it.",
-              "", "What it says: both pages meet the goal on both databases from the rollup. For one account the ledger, through its (account_id, quota_day) index, answers about as fast (an account has few rows a day); the rollup is what keeps the platform-wide view fast (the ledger GROUP BY scans a month of rows). Not measured here: the HTTP round trip and template rendering of the real handlers (httpx ASGI transport), and the write cost the rollup adds to each ledger transaction."]
+              "", "What it says: both pages meet the goal on both databases from the rollup. For one account the "
+              "ledger, through its (account_id, quota_day) index, answers about as fast (an account has few rows "
+              "a day); the rollup is what keeps the platform-wide view fast (the ledger GROUP BY scans a month of "
+              "rows). Not measured here: the HTTP round trip and template rendering of the real handlers (httpx "
+              "ASGI transport), and the write cost the rollup adds to each ledger transaction."]
     return "\n".join(lines) + "\n"
 
 

@@ -7,8 +7,8 @@ too, so the usage pages can never disagree with it either.
 
 Writes are group-committed: every open and close that arrives while a transaction is in flight
 waits for the next one, which writes them all (one INSERT for the opens, one SELECT, one UPDATE and
-one INSERT for the closes, two upserts for the rollup). Each caller still returns only once its own row is committed. The
-statements are SQLAlchemy Core on the tables, prepared once: the ORM's unit of work, and one
+one INSERT for the closes, two upserts for the rollup). Each caller still returns only once its own
+row is committed. The statements are SQLAlchemy Core on the tables, prepared once: the ORM's unit of work, and one
 transaction per row, cost ~10 ms of CPU a request on SQLite here (bench/results/profile.md).
 """
 

@@ -46,7 +46,8 @@ for _table, _names in ((_REQUESTS, _OPEN_COLUMNS + _CLOSE_COLUMNS), (_OUTBOX, _M
 _OPEN = f"INSERT INTO {_REQUESTS.name} ({', '.join(_OPEN_COLUMNS)}) VALUES ({', '.join('?' * len(_OPEN_COLUMNS))})"
 _CLOSE = (f"UPDATE {_REQUESTS.name} SET {', '.join(f'{c} = ?' for c in _CLOSE_COLUMNS)} "
           f"WHERE id = ? AND status = '{RequestStatus.QUEUED.value}'")
-_QUEUED = (f"SELECT id, billable, price_micros, account_id, quota_day, api_key_id, model, created_at FROM {_REQUESTS.name} "
+_QUEUED = (f"SELECT id, billable, price_micros, account_id, quota_day, api_key_id, model, created_at "
+           f"FROM {_REQUESTS.name} "
            f"WHERE status = '{RequestStatus.QUEUED.value}' AND id IN ({{}})")
 _METER = f"INSERT INTO {_OUTBOX.name} ({', '.join(_METER_COLUMNS)}) VALUES ({', '.join('?' * len(_METER_COLUMNS))})"
 

@@ -158,9 +158,10 @@ async def test_the_migration_backfills_the_rollup_from_existing_rows(database_ur
     finally:
         ledger.dispose()
     expected = await _ledger_sums(sessions)
-    await asyncio.to_thread(command.downgrade, alembic_config(database_url), "-1")
+    await asyncio.to_thread(command.downgrade, alembic_config(database_url), "0007")  # before the rollup
     async with sessions() as session:
-        assert (await session.execute(text("SELECT monthly_price_cents FROM plans WHERE name = 'pro'"))).scalar() == 2000
+        pro = await session.execute(text("SELECT monthly_price_cents FROM plans WHERE name = 'pro'"))
+        assert pro.scalar() == 2000  # 0001's price again
     await asyncio.to_thread(command.upgrade, alembic_config(database_url), "head")
     assert await _rollup(sessions) == expected
     assert expected[0][(acme.account_id, "2026-11-30", acme.key_id, "m")] == (1, 0, 0)
