@@ -131,6 +131,18 @@ def test_no_customer_reaches_another_customers_billing(billing) -> None:  # noqa
     bob.get("/console/billing")
     refused = bob.post("/console/billing/checkout", {"plan": "enterprise"})
     assert refused.status_code == 400 and "cannot be bought" in refused.text
+    # Through htmx (as the page posts) the refusal replaces the page, since htmx swaps only 2xx answers.
+    bob.get("/console/billing")
+    swapped = bob.http.post("/console/billing/checkout", data={"plan": "enterprise", "csrf_token": bob.csrf},
+                            headers={"HX-Request": "true"})
+    assert swapped.status_code == 200 and swapped.headers["hx-retarget"] == "body"
+    assert "cannot be bought" in swapped.text and "hx-redirect" not in swapped.headers
     assert len(edge.checkouts) == count
+    bought = bob.http.post("/console/billing/checkout", data={"plan": "pro", "csrf_token": bob.csrf},
+                           headers={"HX-Request": "true"})  # pro: no metered price configured, refused
+    assert bought.status_code == 200 and "FLATFARE_STRIPE_METERED_PRICES" in bought.text
+    going = bob.http.post("/console/billing/checkout", data={"plan": "premium", "csrf_token": bob.csrf},
+                          headers={"HX-Request": "true"})
+    assert going.status_code == 204 and going.headers["hx-redirect"].startswith("https://checkout.stripe.test/")
     alice.close()
     bob.close()
