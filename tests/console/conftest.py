@@ -130,9 +130,14 @@ def customer(stack: Stack) -> Iterator[ConsoleClient]:
     client.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
-    """One headless Chromium for the session; tests open their own context (cookies) on it."""
+    """One headless Chromium for a test module; tests open their own context (cookies) on it.
+
+    Module, not session: while Playwright's sync API is alive it holds an event loop running in this
+    thread, so every async test or fixture after it (pytest-asyncio's) fails with "Cannot run the event
+    loop while another loop is running". Launching costs about a second; keep a module's browser tests
+    free of async tests and fixtures."""
     need(shutil.which(CHROMIUM) or Path(CHROMIUM).exists(), f"no Chromium at {CHROMIUM}: apt-get install chromium")
     try:
         from playwright.sync_api import sync_playwright
