@@ -15,6 +15,8 @@ COMMANDS = {
                "counters vs ledger vs outbox (~16 min, 8 of them the real CPU engine's row)"),
     "scheduling": ("bench.scheduling", "premium TTFT under others' 2x overload, a noisy neighbour's flood against "
                    "nine accounts, prefix routing vs sharing (~12 min)"),
+    "capabilities": ("bench.capabilities", "tools, reasoning and vision through catalog entries on random-weight "
+                     "real architectures (the H200: gpu_device.sh capabilities)"),
     "console": ("bench.console", "the usage pages' database work on 10,000 accounts and 1,000,000 ledger rows, "
                 "SQLite and PostgreSQL (~5 min)"),
     "scale": ("bench.scale", "requests/s for 1, 2, 4 worker hosts, hosts as network namespaces; needs root (~3 min)"),

@@ -64,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="after Flatfare's repeats, one more (uncounted) run at the top concurrency with py-spy "
                              "recording the worker for at most SECONDS (0: none)")
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--via-catalog", action="store_true",
+                        help="Flatfare's worker reads the options from a catalog entry (validated as the admin API "
+                             "does) instead of its --engine-options")
     parser.add_argument("--kv-cache-gib", default=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
                         help="VLLM_CPU_KVCACHE_SPACE for both (CPU only)")
     parser.add_argument("--gateway-processes", type=int, default=1,
@@ -204,10 +207,13 @@ def run_system(system: str, args: argparse.Namespace, workdir: Path, options: di
                 watch = {"vllm": server.pid}
                 server.wait_ready(lambda: http_get(f"{base}/health")[0] == 200, args.ready_timeout)
             else:
-                stack = FlatfareStack(group, workdir / f"flatfare_r{rnd}", args.name,
-                                      ["--source", str(args.model_dir), "--engine-options", json.dumps(options)],
+                worker_args = [] if args.via_catalog else ["--source", str(args.model_dir), "--engine-options",
+                                                           json.dumps(options)]
+                stack = FlatfareStack(group, workdir / f"flatfare_r{rnd}", args.name, worker_args,
                                       extra_env=env, gateway_processes=args.gateway_processes)
                 stack.start_storage()
+                if args.via_catalog:
+                    stack.add_catalog_entry(args.name, str(args.model_dir), options)
                 stack.start_worker(args.ready_timeout)
                 stack.start_gateway(args.ready_timeout)
                 base, key = stack.base_url, stack.key

@@ -47,8 +47,19 @@ DEVICE_WHEELS = ["redis==8.1.0", "SQLAlchemy==2.1.9", "greenlet==3.5.6", "alembi
                  "annotated-doc==0.0.7", "markdown-it-py==4.3.0", "mdurl==0.1.2", "pygments==2.21.0",
                  "stripe==16.1.0", "python-json-logger==4.2.0", "prometheus-client==0.26.0",
                  "hiredis==3.5.0", "async-lru==2.4.0", "granian==2.8.9",
+                 # The console's (gateway/console/): Argon2 hashes, email checks; cffi may be on the device already.
+                 "argon2-cffi==25.1.0", "argon2-cffi-bindings==26.2.0", "cffi==2.1.1", "pycparser==3.12",
+                 "email-validator==2.4.0", "dnspython==2.9.2", "python-multipart==0.0.34",
                  # Not Flatfare's: samples the worker during one extra 256-client run (gpu_device.sh PYSPY).
-                 "py-spy==0.4.3"]
+                 "py-spy==0.4.3",
+                 # Not Flatfare's either: vLLM 0.26 imports compressed-tensors (its pin) for every quantization
+                 # method, fp8 included, and the payload lacks it (gpu_device.sh capabilities: the fp8 entry).
+                 "compressed-tensors==0.17.0", "loguru==0.7.3",
+                 # vLLM 0.26 imports lm-format-enforcer to validate any structured output (forced tool calls, JSON
+                 # schemas); the payload lacks it. (Its LLaVA also imports mistral_common, through pixtral; carried,
+                 # mistral_common 1.13.1 made transformers' MistralCommonBackend fail to import on the device, which
+                 # vLLM's guidance backend then imports for every model: not carried.)
+                 "lm-format-enforcer==0.11.3", "interegular==0.3.3", "pyyaml==6.0.4"]
 REDIS_LIBS = ("liblzf.so.1", "libjemalloc.so.2")
 
 
@@ -179,7 +190,14 @@ export END_BY=$(($(date +%s)+280)); bash bench/gpu_device.sh offline 1b $OUT/off
 Knobs of gpu_device.sh run (environment): REQUESTS (one per concurrency 1 16 64 256; 10 96 500 500),
 REPEATS (load runs per point per server start; 3), GATEWAY_PROCESSES (4), PYSPY=SECONDS (py-spy on the
 worker during one extra, uncounted run at 256 clients), ORDER=flatfare-first, SYSTEMS="flatfare",
-TAG_SUFFIX, ENGINE_OPTIONS (JSON given to both systems; {"load_format": "dummy"}), END_BY (epoch seconds).
+TAG_SUFFIX, ENGINE_OPTIONS (JSON given to both systems; {"load_format": "dummy"}), VIA_CATALOG=1 (Flatfare's
+worker takes them from a catalog entry, validated as the admin API does), CONCURRENCY (1 16 64 256),
+END_BY (epoch seconds).
+
+Capabilities (issue 20): `bash bench/gpu_device.sh capabilities $OUT/caps` runs `python -m bench capabilities`
+on random-weight Qwen3-8B (two entries: hermes + deepseek_r1, hermes alone) and LLaVA-1.5-7B shapes, each
+from a catalog entry, and leaves caps.tgz (one JSON per entry); fp8 and n-gram speculation against vllm serve:
+VIA_CATALOG=1 ENGINE_OPTIONS='{"load_format": "dummy", "quantization": "fp8"}' TAG_SUFFIX=-fp8 ... run 8b 1 DIR.
 Then, here: python -m bench gpu report <files_at>/gpu_8b.tgz <files_at>/gpu_1b.tgz <files_at>/offline_1b.json
 (writes bench/results/engine_gpu-8b-s4.md and engine_gpu-1b-s4.md, with the goals beside the ratios).
 """

@@ -8,6 +8,7 @@
 #   bash bench/gpu_device.sh python ARGS...        # python3 as `run` starts bench.engine: its path, the root
 #   bash bench/gpu_device.sh run SHAPE ROUNDS DIR  # SHAPE 8b|1b: make the model, run bench.engine, leave DIR.tgz
 #   bash bench/gpu_device.sh offline SHAPE DIR     # vllm_bench.py offline on that model: DIR.json, DIR.log
+#   bash bench/gpu_device.sh capabilities DIR      # bench.capabilities: tools, reasoning, vision via catalog entries
 #
 # `run` compares Flatfare (private Redis, SQLite, flatfare worker + gateway) with `vllm serve` on a
 # random-weight Llama of that shape (--load-format dummy), input 512 / output 128, ignore_eos,
@@ -162,6 +163,7 @@ run() {
   [ "${ORDER:-}" = "flatfare-first" ] && order=(flatfare vllm)
   [ -n "${SYSTEMS:-}" ] && read -r -a order <<< "$SYSTEMS"
   [ -n "${PYSPY:-}" ] && [ "${PYSPY}" != 0 ] && spy=(--py-spy "$PYSPY")
+  [ -n "${VIA_CATALOG:-}" ] && spy+=(--via-catalog)  # Flatfare's options from a catalog entry
   # SIGINT 50 s before END_BY (bench.engine then stops its servers, up to ~20 s, and writes its tables),
   # SIGKILL 35 s later: the tar below still runs in time.
   local budget=$(( $(left) - 50 ))
@@ -169,7 +171,7 @@ run() {
   free_gpu
   # shellcheck disable=SC2086
   timeout -s INT -k 35 "$budget" python3 -m bench engine --model-dir "/tmp/m$shape" --name "llama-$shape" \
-    --engine-options "$options" --concurrency 1 16 64 256 --requests ${REQUESTS:-10 96 500 500} \
+    --engine-options "$options" --concurrency ${CONCURRENCY:-1 16 64 256} --requests ${REQUESTS:-10 96 500 500} \
     --input-len 512 --output-len 128 --rounds "$rounds" --repeats "${REPEATS:-3}" --systems "${order[@]}" \
     --gateway-processes "${GATEWAY_PROCESSES:-4}" --tag "gpu-$shape${TAG_SUFFIX:-}" --out "$dir" \
     --ready-timeout 400 "${spy[@]}" || say "bench.engine failed or was stopped (rc $?)"
@@ -197,6 +199,33 @@ offline() {
   grep '^\[offline\] run' "$out.log" || tail -20 "$out.log"
 }
 
+capabilities() {
+  # bench.capabilities on real shapes with random weights (load_format dummy), each catalog entry on a stack of
+  # its own: qwen3-thinking and qwen3-tools on the Qwen3-8B shape, llava on the LLaVA-1.5-7B shape. One JSON
+  # per entry and its logs in DIR.tgz. ENTRIES narrows the list; CAPS_OPTIONS (JSON) is merged over each entry
+  # (enforce_eager by default: these checks are about formats, and it saves ~30 s a start).
+  local dir=${1:?result dir} entry arch size
+  env_flatfare
+  mkdir -p "$dir"
+  free_gpu
+  for entry in ${ENTRIES:-qwen3-thinking qwen3-tools llava}; do
+    arch=${entry%%-*}; size=8b; [ "$arch" = llava ] && size=7b
+    [ -f "/tmp/c$arch/config.json" ] || (cd "$ROOT" && python3 -m bench capabilities make-model --arch "$arch" \
+      --size "$size" --tokenizer "$VLLM_TOK_DIR" --out "/tmp/c$arch") > "$dir/make-$arch.log" 2>&1 \
+      || { tail -5 "$dir/make-$arch.log"; continue; }
+    [ "$(left)" -gt 150 ] || { say "$entry skipped: $(left) s left"; continue; }
+    (cd "$ROOT" && timeout -s INT -k 20 $(( $(left) - 40 )) python3 -m bench capabilities run --entry "$entry" \
+      --model-dir "/tmp/c$arch" --workdir "/tmp/ffcaps-$entry" --json "$dir/$entry.json" --ready-timeout 400 \
+      --engine-options "${CAPS_OPTIONS:-{\"enforce_eager\": true\}}") \
+      > "$dir/$entry.log" 2>&1 || say "$entry: some checks failed or it stopped (rc $?)"
+    grep '^\[capabilities\]' "$dir/$entry.log" | cut -c1-200 || tail -5 "$dir/$entry.log"
+    cp /tmp/ffcaps-$entry/worker.log "$dir/$entry-worker.log" 2>/dev/null || true
+    free_gpu
+  done
+  tar czf "$dir.tgz" -C "$(dirname "$dir")" "$(basename "$dir")"
+  rm -rf "$dir"
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
@@ -206,7 +235,8 @@ case "$cmd" in
   python) env_flatfare; cd "$ROOT"; exec "$PYTHON" "$@" ;;
   run) run "$@" ;;
   offline) offline "$@" ;;
+  capabilities) capabilities "$@" ;;
   *) echo "usage: $0 setup | install-flatfare | check-flatfare | python ARGS | run SHAPE ROUNDS DIR |" \
-          "offline SHAPE DIR" >&2
+          "offline SHAPE DIR | capabilities DIR" >&2
      exit 2 ;;
 esac

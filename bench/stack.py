@@ -11,6 +11,7 @@ import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bench.procs import Service, Services, free_port, pinned
 from flatfare.redis_local import LocalRedis
@@ -131,6 +132,31 @@ class FlatfareStack:
         done = subprocess.run(self._flatfare("keys", "create", "--account", "bench", "--plan", "enterprise"),
                               env=env, check=True, cwd=self.workdir, capture_output=True, text=True)
         self.key = done.stdout.strip().splitlines()[-1]
+
+    def add_catalog_entry(self, name: str, source: str, options: dict[str, Any]) -> dict[str, Any]:
+        """Validate ``options`` as the admin API does (its EngineOptions) and store the catalog row a worker
+        started with ``--model name`` and nothing else reads. Returns the options as stored."""
+        script = r"""
+import asyncio, json, sys
+from flatfare.gateway.admin.model_options import EngineOptions
+from flatfare.storage.db import create_engine, session_factory
+from flatfare.storage.models import CatalogModel
+name, source, raw, url = sys.argv[1:5]
+options = EngineOptions.model_validate(json.loads(raw)).as_options()
+async def main():
+    engine = create_engine(url)
+    async with session_factory(engine)() as session, session.begin():
+        session.add(CatalogModel(name=name, source=source, engine_options=options, enabled=True, pinned=True))
+    await engine.dispose()
+asyncio.run(main())
+print(json.dumps(options))
+"""
+        env = self.env()
+        done = subprocess.run([self.python, "-c", script, name, source, json.dumps(options),
+                               env["FLATFARE_DATABASE_URL"]], env=env, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"the catalog refused the entry {name!r}: {done.stderr[-2000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
 
     def start_worker(self, ready_timeout_s: float = 900) -> float:
         """Start the worker; the seconds until it heartbeats in Redis."""
