@@ -138,9 +138,16 @@ def test_no_customer_reaches_another_customers_billing(billing) -> None:  # noqa
     assert swapped.status_code == 200 and swapped.headers["hx-retarget"] == "body"
     assert "cannot be bought" in swapped.text and "hx-redirect" not in swapped.headers
     assert len(edge.checkouts) == count
-    bought = bob.http.post("/console/billing/checkout", data={"plan": "pro", "csrf_token": bob.csrf},
-                           headers={"HX-Request": "true"})  # pro: no metered price configured, refused
-    assert bought.status_code == 200 and "FLATFARE_STRIPE_METERED_PRICES" in bought.text
+    # Pro given a per-request price by the operator, with no metered price configured: refused.
+    stack.sql("UPDATE plans SET price_per_request_micros = 2000 WHERE name = 'pro'")
+    try:
+        bought = eventually(lambda: bob.http.post("/console/billing/checkout",
+                                                  data={"plan": "pro", "csrf_token": bob.csrf},
+                                                  headers={"HX-Request": "true"}),
+                            lambda r: "hx-redirect" not in r.headers, "pro's per-request price, past the plans cache")
+        assert bought.status_code == 200 and "FLATFARE_STRIPE_METERED_PRICES" in bought.text
+    finally:
+        stack.sql("UPDATE plans SET price_per_request_micros = 0 WHERE name = 'pro'")
     going = bob.http.post("/console/billing/checkout", data={"plan": "premium", "csrf_token": bob.csrf},
                           headers={"HX-Request": "true"})
     assert going.status_code == 204 and going.headers["hx-redirect"].startswith("https://checkout.stripe.test/")

@@ -268,7 +268,11 @@ def test_suspend_and_reactivate(astack, admin) -> None:
 
 
 def test_usage_totals_match_the_ledger_in_json_and_csv(astack, admin) -> None:
-    account = admin.post("/accounts", json={"name": "counted", "plan": "pro"}).json()
+    # A plan with an operator's per-request price (the seeded ones have none), so the amount is counted.
+    metered = admin.post("/plans", json={"name": "metered", "display_name": "Metered", "daily_limit": 100,
+                                         "price_per_request_micros": 2000, "lane": "standard"})
+    assert metered.status_code == 201, metered.text
+    account = admin.post("/accounts", json={"name": "counted", "plan": "metered"}).json()
     key = admin.post(f"/accounts/{account['id']}/keys", json={}).json()["key"]
     for _ in range(3):
         assert _chat(astack.base_url, key).status_code == 200

@@ -25,7 +25,9 @@ pytestmark = pytest.mark.e2e
 
 SECRET = "whsec_flatfare_test"
 PRICES = {"pro": "price_pro", "premium": "price_premium", "free": "price_free"}
-# Metered per-request prices: premium's only, so pro (which charges per request too) cannot be sold.
+# The seeded plans have no per-request price (0010); premium gets an operator's here, with its metered
+# Stripe price, so its requests are metered; pro stays flat unless a test gives it a price.
+PREMIUM_PRICE_MICROS = 1500
 METERED = {"premium": "price_premium_requests"}
 MODEL = "instant"
 
@@ -52,10 +54,12 @@ def billing(tmp_path_factory) -> Iterator[tuple]:
     env = {"FLATFARE_STRIPE_API_KEY": "sk_test_flatfare", "FLATFARE_STRIPE_WEBHOOK_SECRET": SECRET,
            "FLATFARE_STRIPE_API_BASE": edge.url, "FLATFARE_STRIPE_PRICES": json.dumps(PRICES),
            "FLATFARE_STRIPE_METERED_PRICES": json.dumps(METERED),
-           "FLATFARE_BILLING_OUTBOX_INTERVAL_S": "0.2", "FLATFARE_AUTH_CACHE_TTL_S": "0.1"}
+           "FLATFARE_BILLING_OUTBOX_INTERVAL_S": "0.2", "FLATFARE_AUTH_CACHE_TTL_S": "0.1",
+           "FLATFARE_PLANS_CACHE_TTL_S": "0.1"}
     try:
         with launch_stack(tmp_path_factory.mktemp("billing"), model=MODEL, worker_args=("--engine", "instant"),
                           env=env, account_plan="free") as stack:
+            stack.sql("UPDATE plans SET price_per_request_micros = :p WHERE name = 'premium'", p=PREMIUM_PRICE_MICROS)
             ls = httpx.Client(base_url=stripe_url, headers={"Authorization": "Bearer sk_test_flatfare"})
             ls.post("/_config/webhooks/flatfare", data={"url": f"{stack.base_url}/billing/stripe/webhook",
                                                         "secret": SECRET})
@@ -173,7 +177,7 @@ def test_payment_failure_makes_the_account_past_due(billing) -> None:
 
 def test_meter_events_are_retried_and_sent_once_per_request(billing) -> None:
     stack, edge, _ = billing
-    out = stack.cli("keys", "create", "--account", "metered", "--plan", "pro")
+    out = stack.cli("keys", "create", "--account", "metered", "--plan", "premium")  # priced per request
     key = out.stdout.strip()
     stack.sql("UPDATE accounts SET stripe_customer_id = 'cus_metered' WHERE name = 'metered'")
     account_id = stack.sql("SELECT id FROM accounts WHERE name = 'metered'")[0][0]
@@ -212,9 +216,9 @@ def test_checkout_refuses_plans_without_a_price(billing) -> None:
 
 
 def test_checkout_attaches_the_metered_price_of_a_plan_that_charges_per_request(billing) -> None:
-    """Premium charges per request: its Checkout carries the monthly price and the metered one, so
-    Stripe invoices the requests; free charges nothing per request: its monthly price alone; pro
-    charges per request with no metered price configured: refused, never sold without it."""
+    """Premium charges per request here: its Checkout carries the monthly price and the metered one, so
+    Stripe invoices the requests; free and pro as seeded charge nothing per request: their monthly price
+    alone; pro given a per-request price with no metered price configured: refused, never sold without it."""
     stack, edge, _ = billing
     auth = {"Authorization": f"Bearer {stack.api_key}"}
     premium = httpx.post(f"{stack.base_url}/v1/billing/checkout", json={"plan": "premium"}, headers=auth)
@@ -227,9 +231,20 @@ def test_checkout_attaches_the_metered_price_of_a_plan_that_charges_per_request(
     assert free.status_code == 200, free.text
     assert edge.checkouts[-1]["line_items[0][price]"] == "price_free"
     assert not any(name.startswith("line_items[1]") for name in edge.checkouts[-1])
-    count = len(edge.checkouts)
+    # A stock deployment sells Pro: flat monthly, no metered price needed.
     pro = httpx.post(f"{stack.base_url}/v1/billing/checkout", json={"plan": "pro"}, headers=auth)
-    assert pro.status_code == 503, pro.text
-    assert pro.json()["error"]["code"] == "billing_not_configured"
-    assert "FLATFARE_STRIPE_METERED_PRICES" in pro.json()["error"]["message"]
-    assert len(edge.checkouts) == count  # nothing reached Stripe
+    assert pro.status_code == 200, pro.text
+    assert edge.checkouts[-1]["line_items[0][price]"] == "price_pro"
+    assert not any(name.startswith("line_items[1]") for name in edge.checkouts[-1])
+    stack.sql("UPDATE plans SET price_per_request_micros = 2000 WHERE name = 'pro'")
+    try:
+        eventually(lambda: httpx.post(f"{stack.base_url}/v1/billing/checkout", json={"plan": "pro"}, headers=auth),
+                   lambda r: r.status_code != 200, "pro's per-request price, past the plans cache")
+        count = len(edge.checkouts)
+        pro = httpx.post(f"{stack.base_url}/v1/billing/checkout", json={"plan": "pro"}, headers=auth)
+        assert pro.status_code == 503, pro.text
+        assert pro.json()["error"]["code"] == "billing_not_configured"
+        assert "FLATFARE_STRIPE_METERED_PRICES" in pro.json()["error"]["message"]
+        assert len(edge.checkouts) == count  # nothing reached Stripe
+    finally:
+        stack.sql("UPDATE plans SET price_per_request_micros = 0 WHERE name = 'pro'")

@@ -44,6 +44,8 @@ def dstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
            "FLATFARE_POOLS_CACHE_TTL_S": "0.1"}
     with launch_stack(tmp_path_factory.mktemp("documented"), model="instant", worker_args=("--engine", "instant"),
                       env=env) as stack:
+        # The seeded plans are flat (0010); the outbox checks need pro priced per request, as an operator may.
+        stack.sql("UPDATE plans SET price_per_request_micros = 2000 WHERE name = 'pro'")
         yield stack
 
 
@@ -360,6 +362,7 @@ def test_one_gateway_process_sends_the_outbox_at_a_time(tmp_path: Path, call_s: 
         with launch_stack(tmp_path, model="instant", worker_args=("--engine", "instant"), gateway_processes=3,
                           env=env) as stack:
             stack.sql("UPDATE accounts SET stripe_customer_id = 'cus_outbox' WHERE name = 'e2e'")
+            stack.sql("UPDATE plans SET price_per_request_micros = 2000 WHERE name = 'pro'")  # metered (0010: flat)
             with httpx.Client(base_url=stack.base_url, timeout=30,
                               headers={"Authorization": f"Bearer {stack.api_key}"}) as http:
                 ids = []

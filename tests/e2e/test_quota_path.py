@@ -23,6 +23,7 @@ pytestmark = pytest.mark.e2e
 
 MODEL = "instant"
 MESSAGES = [{"role": "user", "content": "hi"}]
+PRO_PRICE_MICROS = 2000  # an operator's metered price on pro, set by the stack fixture
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +32,8 @@ def qstack(tmp_path_factory):
            "FLATFARE_PLANS_CACHE_TTL_S": "0.2"}
     with launch_stack(tmp_path_factory.mktemp("quota"), model=MODEL, worker_args=("--engine", "instant"),
                       gateway_processes=4, env=env) as stack:
+        # The seeded plans have no per-request price (0010); the ledger and outbox checks need one.
+        stack.sql("UPDATE plans SET price_per_request_micros = :price WHERE name = 'pro'", price=PRO_PRICE_MICROS)
         yield stack
 
 
@@ -82,7 +85,7 @@ async def test_200_concurrent_requests_through_4_gateways_at_a_quota_of_60(qstac
     outbox = qstack.sql("SELECT count(*) FROM usage_outbox WHERE account_id = :a", a=account_id)[0][0]
     assert (ledger, outbox) == (60, 60)
     prices = qstack.sql("SELECT DISTINCT price_micros FROM requests WHERE account_id = :a", a=account_id)
-    assert prices == [(2000,)]  # the pro plan's flat price, whatever the length
+    assert prices == [(PRO_PRICE_MICROS,)]  # the pro plan's flat price, whatever the length
 
 
 def test_rate_limit_headers_and_the_429(qstack) -> None:
