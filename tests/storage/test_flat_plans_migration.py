@@ -26,7 +26,8 @@ def _set(url: str, plan: str, micros: int) -> None:
     engine = create_engine(sync_url(url))
     try:
         with engine.begin() as conn:
-            conn.execute(text("UPDATE plans SET price_per_request_micros = :m WHERE name = :n"), {"m": micros, "n": plan})
+            conn.execute(text("UPDATE plans SET price_per_request_micros = :m WHERE name = :n"),
+                         {"m": micros, "n": plan})
     finally:
         engine.dispose()
 
