@@ -80,6 +80,12 @@ async def change_password(request: Request, customer: ConsoleCustomer, form: Con
         users.check_new_password(form.get("password", ""), settings.console_min_password_length)
     except users.ConsoleUserError as exc:
         return render(request, "account.html", {"customer": customer, "error": str(exc)}, status_code=400)
-    await users.set_password(request.app.state.sessions, customer.user.id, form["password"])
-    await sessions_of(request).end_all(customer.user.id, keep=customer.session)
-    return RedirectResponse("/console/account?done=password", status_code=303)
+    user = await users.set_password(request.app.state.sessions, customer.user.id, form["password"])
+    # Every session ends, this one too: the one that carries on starts under a new id and the new
+    # password's stamp (sessions from before the change are refused by the stamp anyway).
+    await sessions_of(request).end_all(customer.user.id)
+    response = RedirectResponse("/console/account?done=password", status_code=303)
+    await sessions_of(request).start(response, user_id=user.id, account_id=user.account_id, email=user.email,
+                                     admin=user.is_admin, password_hash=user.password_hash,
+                                     replacing=customer.session)
+    return response

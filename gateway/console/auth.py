@@ -45,7 +45,7 @@ async def anonymous_page(request: Request, name: str, context: dict | None = Non
 async def login_page(request: Request, admin: bool = False) -> Response:
     session = await current_session(request)
     if session is not None and session.logged_in:
-        return RedirectResponse("/console/admin" if session.admin and session.user_id is None else "/console",
+        return RedirectResponse("/console/admin" if session.admin and session.account_id is None else "/console",
                                 status_code=303)
     done = {"verified": "Your email is confirmed. Log in to continue.",
             "reset": "Your password was changed. Log in with the new one."}.get(request.query_params.get("done", ""))
@@ -72,7 +72,7 @@ async def login(request: Request, form: ConsoleForm) -> Response:
     response = RedirectResponse("/console/admin" if user.is_admin and user.account_id is None else "/console",
                                 status_code=303)
     await sessions_of(request).start(response, user_id=user.id, account_id=user.account_id, email=user.email,
-                                     admin=user.is_admin, replacing=await current_session(request))
+                                     admin=user.is_admin, password_hash=user.password_hash, replacing=await current_session(request))
     return response
 
 

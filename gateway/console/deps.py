@@ -16,7 +16,7 @@ from fastapi import Depends, Request
 from sqlalchemy import select
 
 from flatfare.gateway.admin.auth import Admin, Scope
-from flatfare.gateway.console.sessions import ConsoleSession, ConsoleSessions
+from flatfare.gateway.console.sessions import ConsoleSession, ConsoleSessions, stamp_matches
 from flatfare.gateway.errors import APIError
 from flatfare.gateway.openai.asgi import read_body
 from flatfare.storage.models import Account, AdminToken, ConsoleUser
@@ -63,7 +63,8 @@ async def console_customer(request: Request) -> Customer:
     async with request.app.state.sessions() as db:
         user = await db.get(ConsoleUser, session.user_id)
         account = await db.get(Account, session.account_id)
-    if user is None or account is None or user.account_id != account.id:
+    if (user is None or account is None or user.account_id != account.id
+            or not stamp_matches(session, user.password_hash)):  # started before a password change
         await sessions_of(request).end(session)
         raise LoginRequired()
     return Customer(user=user, account=account, session=session)
@@ -83,7 +84,7 @@ async def console_admin(request: Request) -> Admin:
                 raise LoginRequired(admin=True)
             return Admin(token_id=token.id, name=token.name, scopes=frozenset(token.scopes))
         user = await db.scalar(select(ConsoleUser).where(ConsoleUser.id == session.user_id))
-    if user is None or not user.is_admin:
+    if user is None or not user.is_admin or not stamp_matches(session, user.password_hash):
         await sessions_of(request).end(session)
         raise LoginRequired(admin=True)
     return Admin(token_id=None, name=f"console:{user.email}",  # type: ignore[arg-type]

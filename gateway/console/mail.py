@@ -1,9 +1,11 @@
 """Emails the console sends (password reset, address confirmation). With no SMTP host configured the
-message is written to the gateway's log instead, clearly marked, so a local operator can open the link."""
+message is written to the gateway's log instead in local mode, clearly marked, so a local operator can open
+the link; outside local mode only a note that it was not sent (no link: a log reader could use it)."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import smtplib
 from email.message import EmailMessage
@@ -15,6 +17,11 @@ log = logging.getLogger("flatfare.console")
 LOG_MARK = "CONSOLE EMAIL (no SMTP configured)"
 
 
+def _address_hash(address: str) -> str:
+    """An address as the log names it: enough to match reports, not the address itself."""
+    return hashlib.sha256(address.lower().encode()).hexdigest()[:16]
+
+
 class Mailer:
     def __init__(self, settings: GatewaySettings) -> None:
         self._settings = settings
@@ -22,7 +29,10 @@ class Mailer:
     async def send(self, to: str, subject: str, text: str) -> None:
         settings = self._settings
         if not settings.smtp_host:
-            log.warning("%s to=%s subject=%r: %s", LOG_MARK, to, subject, text)
+            if settings.local_mode:  # a local operator opens the link from the log
+                log.warning("%s to=%s subject=%r: %s", LOG_MARK, to, subject, text)
+            else:  # the body holds a one-time link: a log reader must not be able to use it
+                log.warning("SMTP not configured, email to %s not sent (subject %r)", _address_hash(to), subject)
             return
         message = EmailMessage()
         message["From"] = settings.smtp_from

@@ -39,6 +39,9 @@ class ConsoleSession:
     admin: bool = False
     admin_token_id: int | None = None
     admin_name: str = ""
+    # The user's password generation when the session started (:func:`password_stamp`): a session from
+    # before a password change or reset is refused, even one that outlived the per-user index.
+    password_stamp: str = ""
 
     @property
     def logged_in(self) -> bool:
@@ -50,14 +53,16 @@ class ConsoleSession:
     def fields(self) -> dict[str, str]:
         return {"csrf": self.csrf, "user_id": _opt(self.user_id), "account_id": _opt(self.account_id),
                 "email": self.email, "admin": "1" if self.admin else "",
-                "admin_token_id": _opt(self.admin_token_id), "admin_name": self.admin_name}
+                "admin_token_id": _opt(self.admin_token_id), "admin_name": self.admin_name,
+                "password_stamp": self.password_stamp}
 
     @classmethod
     def from_fields(cls, id_hash: str, raw: dict[bytes, bytes]) -> ConsoleSession:
         f = {k.decode(): v.decode() for k, v in raw.items()}
         return cls(id_hash=id_hash, csrf=f["csrf"], user_id=_int(f.get("user_id")),
                    account_id=_int(f.get("account_id")), email=f.get("email", ""), admin=bool(f.get("admin")),
-                   admin_token_id=_int(f.get("admin_token_id")), admin_name=f.get("admin_name", ""))
+                   admin_token_id=_int(f.get("admin_token_id")), admin_name=f.get("admin_name", ""),
+                   password_stamp=f.get("password_stamp", ""))
 
 
 def _opt(value: int | None) -> str:
@@ -66,6 +71,15 @@ def _opt(value: int | None) -> str:
 
 def _int(value: str | None) -> int | None:
     return int(value) if value else None
+
+
+def password_stamp(password_hash: str) -> str:
+    """A password's generation: changes with every new hash (Argon2 salts each one), reveals nothing."""
+    return hashlib.sha256(b"console-password-stamp:" + password_hash.encode()).hexdigest()[:32]
+
+
+def stamp_matches(session: ConsoleSession, password_hash: str) -> bool:
+    return hmac.compare_digest(session.password_stamp.encode(), password_stamp(password_hash).encode())
 
 
 def hash_id(session_id: str) -> str:
@@ -98,19 +112,25 @@ class ConsoleSessions:
             return None
         session = ConsoleSession.from_fields(id_hash, raw)
         if session.logged_in and ttl < self._idle_s - 60:  # renew at most once a minute
-            await self._redis.expire(key, self._idle_s)
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.expire(key, self._idle_s)
+                if session.user_id is not None:  # the index must outlive every session it lists
+                    pipe.expire(console_user_sessions_key(session.user_id), self._idle_s)
+                await pipe.execute()
         return session
 
     async def start(self, response: Response, *, user_id: int | None = None, account_id: int | None = None,
                     email: str = "", admin: bool = False, admin_token_id: int | None = None,
-                    admin_name: str = "", replacing: ConsoleSession | None = None) -> ConsoleSession:
+                    admin_name: str = "", password_hash: str = "",
+                    replacing: ConsoleSession | None = None) -> ConsoleSession:
         """A new session under a new id (the one it replaces ends), and its cookie on ``response``."""
         if replacing is not None:
             await self.end(replacing)
         session_id = secrets.token_urlsafe(_ID_BYTES)
         session = ConsoleSession(id_hash=hash_id(session_id), csrf=secrets.token_urlsafe(32), user_id=user_id,
                                  account_id=account_id, email=email, admin=admin, admin_token_id=admin_token_id,
-                                 admin_name=admin_name)
+                                 admin_name=admin_name,
+                                 password_stamp=password_stamp(password_hash) if password_hash else "")
         ttl = self._idle_s if session.logged_in else ANONYMOUS_TTL_S
         key = console_session_key(session.id_hash)
         async with self._redis.pipeline(transaction=True) as pipe:

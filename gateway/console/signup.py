@@ -76,7 +76,7 @@ async def signup(request: Request, form: ConsoleForm) -> Response:
                       status_code=409)
     response = RedirectResponse("/console?done=welcome", status_code=303)
     await sessions_of(request).start(response, user_id=user.id, account_id=user.account_id, email=user.email,
-                                     replacing=await current_session(request))
+                                     password_hash=user.password_hash, replacing=await current_session(request))
     return response
 
 
@@ -138,6 +138,6 @@ async def reset_password(request: Request, token: Token, form: ConsoleForm) -> R
     user_id = await tokens.take(request.app.state.redis, tokens.RESET, token)
     if user_id is None:
         return render(request, "reset.html", {"error": LINK_STALE}, status_code=400)
-    await users.set_password(request.app.state.sessions, user_id, password)
+    await users.set_password(request.app.state.sessions, user_id, password, verify_email=True)
     await sessions_of(request).end_all(user_id)
     return RedirectResponse("/console/login?done=reset", status_code=303)

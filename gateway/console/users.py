@@ -88,10 +88,16 @@ async def authenticate(sessions: async_sessionmaker[AsyncSession], email: str, p
     return user
 
 
-async def set_password(sessions: async_sessionmaker[AsyncSession], user_id: int, password: str) -> None:
+async def set_password(sessions: async_sessionmaker[AsyncSession], user_id: int, password: str, *,
+                       verify_email: bool = False) -> ConsoleUser:
+    """The new password's hash stored (and, for a reset link, which proves the mailbox, the email
+    marked verified); the user after the change."""
     password_hash = await hash_password(password)
     async with sessions() as session, session.begin():
         user = await session.get(ConsoleUser, user_id, with_for_update=True)
         if user is None:
             raise ConsoleUserError("That user no longer exists.")
         user.password_hash = password_hash
+        if verify_email and user.email_verified_at is None:
+            user.email_verified_at = datetime.now(UTC)
+    return user
