@@ -119,6 +119,8 @@ async def _form(request: Request) -> dict[str, str]:
                               strict_parsing=False))
     except (UnicodeDecodeError, ValueError) as exc:
         raise APIError(400, "The form could not be read.", code="invalid_form") from exc
+    if any("\x00" in name or "\x00" in value for name, value in form.items()):  # PostgreSQL refuses NUL
+        raise APIError(400, "A form field contains a NUL character: remove it and try again.", code="invalid_form")
     if not session.csrf_matches(request.headers.get(CSRF_HEADER) or form.get(CSRF_FIELD)):
         raise _csrf_refused()
     return form

@@ -109,10 +109,12 @@ async def rotate_key(request: Request, key_id: KeyId, customer: ConsoleCustomer,
     grace = timedelta(seconds=request.app.state.settings.console_rotation_grace_s)
     async with request.app.state.sessions() as db, db.begin():
         old = await _own_key(db, customer, key_id)
+        original_expiry = old.expires_at  # the new key keeps it: rotating must not make a key immortal
         ends = datetime.now(UTC) + grace
         if old.expires_at is None or ends < old.expires_at:
             old.expires_at = ends
         issued = await issue_key(db, customer.account, old.name, KeyLimitsUpdate(
-            allowed_models=old.allowed_models, daily_limit=old.daily_limit, max_inflight=old.max_inflight))
+            allowed_models=old.allowed_models, daily_limit=old.daily_limit, max_inflight=old.max_inflight,
+            expires_at=original_expiry))
     return await _page(request, customer, created_secret=issued.secret, created_id=issued.key_id, rotated=key_id,
                        status_code=201)

@@ -2,9 +2,9 @@
 
 No answer says whether an email has an account: a reset request always answers "if it exists, we
 sent a link", and with email confirmation on, a sign-up always answers "check your email" (the owner
-of a taken address gets a note instead of a link). With confirmation off a sign-up logs the new user
-straight in, so a taken address must be refused there: operators who need sign-up to reveal nothing
-turn confirmation on. Every attempt counts against the client address's limit.
+of a taken, confirmed address gets a note instead of a link; an unconfirmed one, a fresh link).
+With confirmation off a sign-up logs the new user straight in, so a taken address must be refused
+there: operators who need sign-up to reveal nothing turn confirmation on. Every attempt counts against the client address's limit.
 """
 
 from __future__ import annotations
@@ -61,6 +61,11 @@ async def signup(request: Request, form: ConsoleForm) -> Response:
     user = await users.create_customer(request.app.state.sessions, email, password, verified=not verify)
     mailer = Mailer(settings)
     if verify:
+        if user is None:  # taken: an address never confirmed gets a fresh link (the first may be lost)
+            async with request.app.state.sessions() as db:
+                existing = await users.find_user(db, email)
+            if existing is not None and existing.email_verified_at is None:
+                user = existing
         if user is not None:
             token = await tokens.issue(request.app.state.redis, tokens.VERIFY, user.id, settings.console_link_ttl_s)
             await mailer.send(email, "Confirm your Flatfare account",

@@ -56,6 +56,17 @@ async def usage_page(request: Request, customer: ConsoleCustomer) -> Response:
     return render(request, "usage.html", {"customer": customer, **view})
 
 
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def spreadsheet_safe(text: str) -> str:
+    """A text cell a spreadsheet will not run: one that starts (after any leading whitespace, which
+    spreadsheets skip) like a formula gets a leading quote. Key names and model names are client text."""
+    if text[:1] in FORMULA_STARTS or text.lstrip()[:1] in FORMULA_STARTS:
+        return "'" + text
+    return text
+
+
 @router.get("/usage.csv")
 async def usage_csv(request: Request, customer: ConsoleCustomer) -> Response:
     """The page's table over the last 30 days, one row per day, key and model."""
@@ -64,11 +75,8 @@ async def usage_csv(request: Request, customer: ConsoleCustomer) -> Response:
     writer = csv.writer(out)
     writer.writerow(CSV_COLUMNS)
     for row in view["rows"]:
-        # A key's name is the customer's own text: a leading =, +, - or @ would be a formula in a spreadsheet.
-        name = row["key_name"]
-        if name[:1] in ("=", "+", "-", "@", "\t", "\r"):
-            name = "'" + name
-        writer.writerow([row["day"], row["key_id"], name, row["key_prefix"], row["model"], row["requests"],
+        writer.writerow([row["day"], row["key_id"], spreadsheet_safe(row["key_name"]),
+                         spreadsheet_safe(row["key_prefix"]), spreadsheet_safe(row["model"]), row["requests"],
                          row["billable_requests"], f"{row['price_micros'] / 1e6:.6f}"])
     filename = f"flatfare-usage-{view['days'][0].day}-{view['days'][-1].day}.csv"
     return Response(out.getvalue(), media_type="text/csv; charset=utf-8",
