@@ -17,6 +17,10 @@ class GatewaySettings(CommonSettings):
     # side by side in bench/results/overhead.md: the same requests/s a core from 32 clients on, each
     # ahead at some low concurrencies; uvicorn stays the default.
     server: Literal["uvicorn", "granian"] = "uvicorn"
+    # Peers whose X-Forwarded-For / -Proto the HTTP server believes (addresses or networks, comma
+    # separated): the reverse proxy in front. Only then does each client get its own login-attempt
+    # counter; everything else is seen as the peer's own address.
+    forwarded_allow_ips: str = "127.0.0.1"
     # Largest request body accepted, in bytes (plans may lower it); larger ones get 413.
     max_body_bytes: int = 8 * 1024 * 1024
     # How long a request may wait for its worker's answer, queued and running together.

@@ -70,13 +70,27 @@ def gateway(
     if settings.server == "granian":
         from granian import Granian
 
-        Granian("flatfare.gateway.app:create_app", address=settings.host, port=settings.port, interface="asgi",
+        Granian("flatfare.cli.main:granian_gateway_app", address=settings.host, port=settings.port, interface="asgi",
                 workers=processes, factory=True, loop="uvloop", log_enabled=False, backlog=4096).serve()
         return
     import uvicorn
 
     uvicorn.run("flatfare.gateway.app:create_app", factory=True, host=settings.host, port=settings.port,
-                workers=processes, log_level=settings.log_level, access_log=False, log_config=None)
+                workers=processes, log_level=settings.log_level, access_log=False, log_config=None,
+                proxy_headers=True, forwarded_allow_ips=settings.forwarded_allow_ips)
+
+
+def granian_gateway_app() -> Any:
+    """The gateway for granian, which reads X-Forwarded-For only through its wrapper: from the trusted
+    proxies of FLATFARE_FORWARDED_ALLOW_IPS, as uvicorn does."""
+    from granian.utils.proxies import wrap_asgi_with_proxy_headers
+
+    from flatfare.gateway.app import create_app
+    from flatfare.gateway.settings import GatewaySettings
+
+    settings = GatewaySettings()
+    trusted = [host.strip() for host in settings.forwarded_allow_ips.split(",") if host.strip()]
+    return wrap_asgi_with_proxy_headers(create_app(settings), trusted_hosts=trusted)
 
 
 def _metrics_dir(configured: str) -> Path:
