@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -103,7 +104,8 @@ def test_an_admin_user_without_an_account_is_sent_to_the_admin_pages(stack: Stac
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("server", ["uvicorn", "granian"])
-def test_behind_a_trusted_proxy_each_client_has_its_own_login_counter(stack: Stack, tmp_path, server: str) -> None:  # noqa: ANN001, E501
+def test_behind_a_trusted_proxy_each_client_has_its_own_login_counter(stack: Stack, tmp_path: Path,
+                                                                       server: str) -> None:
     """A gateway trusting 127.0.0.0/8 (FLATFARE_FORWARDED_ALLOW_IPS), reached from 127.0.0.2 as from a
     proxy: the failed logins of one forwarded client do not lock out another."""
     port = free_port()
