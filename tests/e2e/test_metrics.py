@@ -103,6 +103,9 @@ def mstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     env = {"FLATFARE_AUTH_CACHE_TTL_S": "0.1", "FLATFARE_PLANS_CACHE_TTL_S": "0.1"}
     with launch_stack(tmp_path_factory.mktemp("metrics"), model=MODEL, worker_args=("--engine", "instant"),
                       gateway_processes=2, env=env) as stack:
+        # The seeded plans sell flat (migration 0010): give them a per-request price, so the outbox gauges
+        # have meter events to count.
+        stack.sql("UPDATE plans SET price_per_request_micros = 2000 WHERE name IN ('pro', 'premium')")
         yield stack
 
 
