@@ -51,5 +51,12 @@ if [[ "$extras" == *test* || "$extras" == *bench* ]] && [ ! -e .venv/lib/faketim
     fi
     rm -rf "$tmp"
 fi
+# The console's browser tests (tests/console) drive Debian's Chromium through Playwright; never
+# `playwright install`, which downloads a browser of its own.
+if [[ "$extras" == *test* ]] && ! command -v chromium >/dev/null && command -v apt-get >/dev/null \
+        && [ "$(id -u)" = 0 ]; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+        || echo "chromium unavailable: the console's browser tests will be skipped (and fail under CI)" >&2
+fi
 rm -f .venv/.flatfare-install-*
 touch "$stamp"
