@@ -246,7 +246,8 @@ def check(base_url: str, key: str, model: str, checks: tuple[str, ...], model_di
         except Exception as exc:  # noqa: BLE001 - a failed check is a result, not the end of the run
             record(name, False, f"{exc.__class__.__name__}: {exc}"[:600])
 
-    flat = whitespace_tokens(model_dir) if {"tools_required", "json_schema"} & set(checks) else {}
+    constrained = {"tools_required", "tools_named", "tools_streamed", "json_schema"}  # the grammar-bound checks
+    flat = whitespace_tokens(model_dir) if constrained & set(checks) else {}
     def required() -> None:
         answer = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
                                                 max_tokens=64, temperature=0, logit_bias=flat)
@@ -382,9 +383,9 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "make-model":
         make_model(args.arch, args.size, args.tokenizer, args.out)
         return 0
-    arch, _, checks = ENTRIES[args.entry]
+    arch, entry_options, checks = ENTRIES[args.entry]
     name = args.name or f"{args.entry}-random"
-    if any(c.startswith("reasoning") for c in checks):
+    if entry_options.get("reasoning_parser"):  # catalog_entry points the entry at this template
         write_r1_template(args.model_dir)
     options = catalog_entry(args.entry, args.model_dir, json.loads(args.engine_options))
     report: dict[str, Any] = {"model": name, "entry": args.entry, "arch": arch, "model_dir": str(args.model_dir)}
