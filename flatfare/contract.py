@@ -44,6 +44,13 @@ Request path in Redis terms:
    ``tokenizer_key(model)``: a hash of :data:`TOKENIZER_DIGEST`, the SHA-256 of :data:`TOKENIZER_JSON`,
    its ``tokenizer.json``. Gateways count a long prompt's tokens with it before the request is counted
    or queued, and reload it only when the digest changes.
+8. Models on demand (``flatfare fleet``): a fleet supervisor heartbeats its :class:`FleetStatus` in
+   ``fleet_key(fleet_id)`` and ``FLEETS_KEY`` (a sorted set by last heartbeat, ms). It starts workers
+   for models with queued demand (:func:`queued_key` of both lanes), keeps pinned ones up, and tells
+   an idle worker to sleep, wake or stop by RPUSHing a :class:`Command` on ``worker_commands(worker_id)``,
+   which the worker BLPOPs. An asleep worker heartbeats ``asleep`` and claims nothing. What every start
+   and wake took is kept in ``model_facts_key(model)`` (a hash, no expiry), so a gateway can say how long
+   a cold model will take and check a prompt's length against a model with no live worker.
 """
 
 from __future__ import annotations
@@ -166,6 +173,28 @@ def worker_key(worker_id: str) -> str:
     return f"{PREFIX}:worker:{worker_id}"
 
 
+def worker_commands(worker_id: str) -> str:
+    """Commands for one worker from its fleet supervisor (a list: RPUSH, the worker BLPOPs)."""
+    return f"{PREFIX}:worker:{worker_id}:commands"
+
+
+# Fleet supervisors (``flatfare fleet``) by their last heartbeat (ms): a sorted set of fleet ids.
+FLEETS_KEY = f"{PREFIX}:fleets"
+# A fleet's status expires on its own this long after its last heartbeat.
+FLEET_TTL_S = 10
+
+
+def fleet_key(fleet_id: str) -> str:
+    """One fleet supervisor's :class:`FleetStatus` (JSON in a string key, expiring: FLEET_TTL_S)."""
+    return f"{PREFIX}:fleet:{fleet_id}"
+
+
+def model_facts_key(model: str) -> str:
+    """What a model's engines took to start and wake, and its context length (a hash of
+    :class:`ModelFacts`, no expiry): written by workers and fleets, read by gateways for cold models."""
+    return f"{PREFIX}:facts:{{{model}}}"
+
+
 # Daily quotas (flatfare.billing.quota): the counters are trusted only while the epoch marker exists;
 # its value is their generation, a new one each rebuild from the ledger, which holds the lock.
 QUOTA_EPOCH_KEY = f"{PREFIX}:quota:epoch"
@@ -246,6 +275,90 @@ class WorkerState(StrEnum):
     STARTING = "starting"
     WARM = "warm"
     DRAINING = "draining"
+    # Told to sleep: finishing its jobs, claiming no more, then freeing its accelerator memory.
+    SLEEPING = "sleeping"
+    # The engine sleeps (vLLM sleep mode: weights in host RAM at level 1, dropped at level 2).
+    ASLEEP = "asleep"
+    WAKING = "waking"
+
+    @property
+    def awake(self) -> bool:
+        """Holds its accelerator memory (or is about to): counts against its fleet's budget."""
+        return self in (WorkerState.STARTING, WorkerState.WARM, WorkerState.DRAINING, WorkerState.WAKING)
+
+
+class CommandKind(StrEnum):
+    SLEEP = "sleep"
+    WAKE = "wake"
+    STOP = "stop"
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """What a fleet supervisor tells one of its workers (item 8 above)."""
+
+    kind: CommandKind
+    # SLEEP: vLLM's sleep level (1: weights kept in host RAM; 2: dropped, reloaded at wake).
+    level: int = 1
+    # Issued at (ms): a worker ignores a command older than its own last state change.
+    issued_ms: int = 0
+
+    def encode(self) -> str:
+        return json.dumps({"kind": self.kind.value, "level": self.level, "t": self.issued_ms})
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> Command:
+        data = json.loads(raw)
+        return cls(CommandKind(data["kind"]), int(data.get("level", 1)), int(data.get("t", 0)))
+
+
+@dataclass(slots=True)
+class FleetStatus:
+    """What a fleet supervisor heartbeats (item 8 above): gateways read ``models`` and ``waiting`` to
+    admit a request for a cold model and to say why it cannot start; ``flatfare fleet status`` and the
+    admin API show the rest."""
+
+    fleet_id: str
+    host: str
+    # "cpu" or "gpu"; the accelerator slots it owns ("0", "1", ... GPU ids, or one "cpu" slot).
+    accelerator: str = "cpu"
+    slots: list[str] = field(default_factory=list)
+    # The budget: engines awake at once, and host memory (GiB) for level-1 sleeping engines' weights.
+    max_awake: int = 1
+    host_memory_gb: float = 0.0
+    # The catalog models this fleet can start (enabled, fitting its slots).
+    models: list[str] = field(default_factory=list)
+    # Its engines: worker id -> {"model", "state", "slots", "pid", "last_used_ms", "sleep_level"}.
+    engines: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Models with queued demand it cannot serve yet -> why (no free slot, starting, a failed start).
+    waiting: dict[str, str] = field(default_factory=dict)
+    # Its last decisions, newest last: {"t": ms, "action", "model", "worker_id", "why"}.
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    updated_ms: int = 0
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> FleetStatus:
+        return cls(**json.loads(raw))
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """The last measured start and wake of a model's engine (seconds; 0: never measured)."""
+
+    max_model_len: int = 0
+    start_s: float = 0.0
+    wake_s: float = 0.0
+
+    def to_fields(self) -> dict[str, str]:
+        return {k: str(v) for k, v in asdict(self).items() if v}
+
+    @classmethod
+    def from_fields(cls, fields: dict[bytes | str, bytes | str]) -> ModelFacts:
+        f = {_text(k): _text(v) for k, v in fields.items()}
+        return cls(int(f.get("max_model_len", "0")), float(f.get("start_s", "0")), float(f.get("wake_s", "0")))
 
 
 class ReplyKind(StrEnum):
@@ -417,6 +530,10 @@ class WorkerInfo:
     engine: str = "vllm"
     state: WorkerState = WorkerState.WARM
     extra: dict[str, Any] = field(default_factory=dict)
+    # When it last took or finished a job (ms; 0: never): its fleet puts the least recently used to sleep.
+    last_used_ms: int = 0
+    # The fleet supervisor that started it ("" for a worker started on its own): only that fleet commands it.
+    fleet: str = ""
 
     @property
     def free(self) -> int:
@@ -434,6 +551,8 @@ class WorkerInfo:
             "engine": self.engine,
             "state": self.state.value,
             "extra": json.dumps(self.extra),
+            "used": str(self.last_used_ms),
+            "fleet": self.fleet,
         }
 
     @classmethod
@@ -450,4 +569,6 @@ class WorkerInfo:
             engine=f.get("engine", "vllm"),
             state=WorkerState(f.get("state", WorkerState.WARM.value)),
             extra=json.loads(f.get("extra", "{}")),
+            last_used_ms=int(f.get("used", "0")),
+            fleet=f.get("fleet", ""),
         )

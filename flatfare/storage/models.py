@@ -132,8 +132,14 @@ class CatalogModel(Base):
     source: Mapped[str] = mapped_column(String(512))
     engine_options: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    # Pinned: always warm. Otherwise on demand: a fleet supervisor starts (or wakes) it when a request
+    # is queued for it and puts it to sleep (stops it, on a CPU host) after ``idle_timeout_s`` unused.
     pinned: Mapped[bool] = mapped_column(Boolean, default=False)
     min_workers: Mapped[int] = mapped_column(Integer, default=0)
+    # None: the fleet's default (FLATFARE_FLEET_IDLE_TIMEOUT_S).
+    idle_timeout_s: Mapped[int | None] = mapped_column(Integer)
+    # Set for a LoRA variant: ``source`` is the adapter, served by the engines of this catalog model.
+    base_model: Mapped[str | None] = mapped_column(String(128))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), server_default=func.now())
     # Plans that may use the model; None means every plan whose own list allows it.
     plans: Mapped[list[str] | None] = mapped_column(JSON)
