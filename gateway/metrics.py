@@ -29,7 +29,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client import multiprocess
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from redis.exceptions import ResponseError
 from sqlalchemy import func, select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -187,6 +186,8 @@ class PlatformSnapshot:
     """What ``/metrics`` reports about the platform rather than about this process."""
 
     queues: list[QueueDepth] = field(default_factory=list)
+    # Per pool: PoolQueues.demand, what an external scaler (KEDA) sizes the pool on.
+    demand: dict[str, int] = field(default_factory=dict)
     pools: dict[str, PoolState] = field(default_factory=dict)
     billing_enabled: bool = False
     outbox_pending: int | None = None
@@ -198,36 +199,104 @@ class PlatformSnapshot:
 # lane served in turn has its oldest jobs near the front).
 _OLDEST_OF = 64
 
+# One pool's queues, read in one step so the numbers agree with each other. KEYS: 1 and 2 the premium
+# and the standard lane's streams, 3 and 4 their rings of accounts, 5 and 6 their queued counters, 7
+# the pool's workers by heartbeat (every one still listed, live or not: a dead worker's own stream
+# may hold jobs). ARGV: 1 the consumer group, 2 and 3 the premium and standard account queues' key
+# prefix (the account id follows), 4 the workers' own streams' prefix (the worker id follows), 5 how
+# many accounts of a ring to look at for the oldest wait. Every key it touches carries the pool's
+# hash tag, as the claim script's do (workers/claims.py).
+# Returns, per lane: jobs waiting (its accounts' queues, and entries of its stream no worker was
+# given yet), jobs taken and not finished (pending in its stream), the ms of the oldest waiting one
+# (-1: none); then the same waiting and taken counts over the workers' own streams (prefix-routed
+# jobs, which no lane counts).
+_POOL_QUEUES = """
+local group = ARGV[1]
+local function ms(id) return tonumber(string.match(id, '^(%d+)')) end
+local function backlog(stream)
+  local length = redis.call('XLEN', stream)
+  if length == 0 then return 0, 0, false end
+  local taken, last = 0, nil
+  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
+  if ok then
+    for _, g in ipairs(groups) do
+      local f = {}
+      for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
+      if f['name'] == group then taken, last = f['pending'], f['last-delivered-id'] end
+    end
+  end
+  local waiting = math.max(length - taken, 0)
+  local first = false
+  if waiting > 0 then
+    local entries = redis.call('XRANGE', stream, last and ('(' .. last) or '-', '+', 'COUNT', 1)
+    if entries[1] then first = ms(entries[1][1]) end
+  end
+  return waiting, taken, first
+end
+local out = {}
+for i = 1, 2 do
+  local waiting, taken, oldest = backlog(KEYS[i])
+  waiting = waiting + math.max(tonumber(redis.call('GET', KEYS[i + 4]) or '0'), 0)
+  for _, account in ipairs(redis.call('LRANGE', KEYS[i + 2], 0, tonumber(ARGV[5]) - 1)) do
+    local first = redis.call('XRANGE', ARGV[i + 1] .. account, '-', '+', 'COUNT', 1)
+    if first[1] then
+      local t = ms(first[1][1])
+      if not oldest or t < oldest then oldest = t end
+    end
+  end
+  for _, v in ipairs({waiting, taken, oldest or -1}) do table.insert(out, v) end
+end
+local waiting, taken = 0, 0
+for _, worker in ipairs(redis.call('ZRANGE', KEYS[7], 0, -1)) do
+  local w, t = backlog(ARGV[4] .. worker)
+  waiting, taken = waiting + w, taken + t
+end
+table.insert(out, waiting)
+table.insert(out, taken)
+return out
+"""
 
-async def queue_depth(redis: Any, model: str, lane: Lane, now_ms: int) -> QueueDepth:
-    """Jobs waiting on a lane (in its accounts' queues, and any its stream holds not yet taken), jobs
-    taken and not finished (pending in the lane's stream), and the age of the oldest waiting one."""
-    stream = contract.job_stream(model, lane)
-    length = int(await redis.xlen(stream))
-    claimed = 0
-    after = "-"
-    if length:
-        try:
-            for group in await redis.xinfo_groups(stream):
-                group = {_text(k): v for k, v in group.items()}
-                if _text(group.get("name")) == contract.POOL_GROUP:
-                    claimed = int(group.get("pending") or 0)
-                    after = "(" + _text(group.get("last-delivered-id") or "0-0")
-        except ResponseError:  # no consumer group yet: every entry is waiting
-            pass
-    undelivered = max(length - claimed, 0)
-    waiting = max(int(await redis.get(contract.queued_key(model, lane)) or 0), 0) + undelivered
-    firsts: list[Any] = []
-    if undelivered:
-        firsts.append(await redis.xrange(stream, min=after, max="+", count=1))
-    accounts = await redis.lrange(contract.lane_ring(model, lane), 0, _OLDEST_OF - 1)
-    if accounts:
-        async with redis.pipeline(transaction=False) as pipe:
-            for account in accounts:
-                pipe.xrange(contract.account_queue(model, lane, _text(account)), count=1)
-            firsts += await pipe.execute()
-    oldest_ms = min((int(_text(first[0][0]).split("-")[0]) for first in firsts if first), default=now_ms)
-    return QueueDepth(model, lane.value, waiting, claimed, max(now_ms - oldest_ms, 0) / 1000)
+_LANES = (Lane.PREMIUM, Lane.STANDARD)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolQueues:
+    """One pool's queues: each lane's, and the jobs routed to its workers' own streams."""
+
+    lanes: tuple[QueueDepth, ...]
+    routed_waiting: int = 0
+    routed_taken: int = 0
+
+    @property
+    def demand(self) -> int:
+        """Jobs that need a worker of the pool: waiting anywhere, or taken and not finished (a dead
+        worker's are taken over by a live one). 0 means the pool may scale to zero."""
+        return sum(q.waiting + q.claimed for q in self.lanes) + self.routed_waiting + self.routed_taken
+
+
+async def pool_queues(redis: Any, pools: Iterable[str], now_ms: int) -> dict[str, PoolQueues]:
+    """The queues of ``pools``: one script per pool, all of them in one round trip."""
+    pools = list(pools)
+    script = redis.register_script(_POOL_QUEUES)
+    async with redis.pipeline(transaction=False) as pipe:
+        for pool in pools:
+            keys = [*(contract.job_stream(pool, lane) for lane in _LANES),
+                    *(contract.lane_ring(pool, lane) for lane in _LANES),
+                    *(contract.queued_key(pool, lane) for lane in _LANES), contract.pool_key(pool)]
+            args = [contract.POOL_GROUP, *(contract.account_queue(pool, lane, "") for lane in _LANES),
+                    contract.worker_stream(pool, ""), _OLDEST_OF]
+            await script(keys=keys, args=args, client=pipe)
+        results = await pipe.execute()
+    found: dict[str, PoolQueues] = {}
+    for pool, counts in zip(pools, results, strict=True):
+        counts = [int(c) for c in counts]
+        lanes = []
+        for i, lane in enumerate(_LANES):
+            waiting, taken, oldest_ms = counts[3 * i:3 * i + 3]
+            oldest_wait_s = max(now_ms - oldest_ms, 0) / 1000 if oldest_ms >= 0 else 0.0
+            lanes.append(QueueDepth(pool, lane.value, waiting, taken, oldest_wait_s))
+        found[pool] = PoolQueues(tuple(lanes), counts[6], counts[7])
+    return found
 
 
 async def platform_snapshot(state: Any) -> PlatformSnapshot:
@@ -236,8 +305,10 @@ async def platform_snapshot(state: Any) -> PlatformSnapshot:
     catalog: dict[str, tuple[bool, bool, int]] = {}
     try:
         async with state.sessions() as session:
+            # A LoRA variant has no pool of its own: its requests queue in its base model's.
             for name, enabled, pinned, min_workers in (await session.execute(select(
-                    CatalogModel.name, CatalogModel.enabled, CatalogModel.pinned, CatalogModel.min_workers))).all():
+                    CatalogModel.name, CatalogModel.enabled, CatalogModel.pinned, CatalogModel.min_workers)
+                    .where(CatalogModel.base_model.is_(None)))).all():
                 catalog[name] = (bool(enabled), bool(pinned), int(min_workers or 0))
             pending, oldest = (await session.execute(
                 select(func.count(), func.min(UsageOutbox.created_at))
@@ -254,15 +325,17 @@ async def platform_snapshot(state: Any) -> PlatformSnapshot:
         seconds, micros = await state.redis.time()
         now_ms = int(seconds) * 1000 + int(micros) // 1000
         served = {_text(m) for m in await state.redis.smembers(contract.POOLS_KEY)}
-        for model in sorted(set(catalog) | served):
-            enabled, pinned, min_workers = catalog.get(model, (True, False, 0))
-            if not enabled:
-                continue
+        # Every enabled pool of the catalog, served or not: one with no worker at all is what an
+        # external scaler must see demand for to start its first.
+        pools = [m for m in sorted(set(catalog) | served) if catalog.get(m, (True, False, 0))[0]]
+        for model in pools:
+            _, pinned, min_workers = catalog.get(model, (True, False, 0))
             workers = await state.pools.live_workers(model)
             snapshot.pools[model] = PoolState(len(workers), pinned, min_workers, sum(w.capacity for w in workers),
                                               sum(w.inflight for w in workers))
-            for lane in Lane:
-                snapshot.queues.append(await queue_depth(state.redis, model, lane, now_ms))
+        for model, queues in (await pool_queues(state.redis, pools, now_ms)).items():
+            snapshot.queues.extend(queues.lanes)
+            snapshot.demand[model] = queues.demand
         snapshot.up["redis"] = True
     except REDIS_DOWN as exc:
         log.warning("metrics: could not read the queues (%s)", exc.__class__.__name__)
@@ -277,6 +350,13 @@ class SnapshotCollector(Collector):
     def collect(self) -> Iterable[GaugeMetricFamily]:
         s = self.snapshot
         yield from _queue_families(s.queues)
+        demand = GaugeMetricFamily("flatfare_model_demand", "Requests that need a worker of the model's pool: "
+                                   "waiting (both lanes, and routed to a worker's own stream) or taken and not "
+                                   "finished. Scale a pool on it; above 0 with no worker, start one.",
+                                   labels=["model"])
+        for model, jobs in s.demand.items():
+            demand.add_metric([model], jobs)
+        yield demand
         live = GaugeMetricFamily("flatfare_pool_live_workers", "Workers of the model with a fresh heartbeat.",
                                  labels=["model", "pinned"])
         wanted = GaugeMetricFamily("flatfare_pool_min_workers", "Workers the catalog wants for the model.",

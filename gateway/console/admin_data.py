@@ -14,10 +14,10 @@ from flatfare import contract
 from flatfare.billing import usage as rollup
 from flatfare.billing.plans import quota_window
 from flatfare.billing.quota import QuotaUnavailable
-from flatfare.contract import Lane, WorkerInfo, WorkerState
+from flatfare.contract import WorkerInfo, WorkerState
 from flatfare.redis_conn import REDIS_DOWN
 from flatfare.storage.models import Account, ApiKey, AuditEntry, CatalogModel, ConsoleUser, Plan
-from flatfare.gateway.metrics import QueueDepth, queue_depth
+from flatfare.gateway.metrics import QueueDepth, pool_queues
 
 PAGE_SIZE = 50
 # What an account search may be: a name or an email is well within this.
@@ -121,10 +121,27 @@ class ModelRow:
     min_workers: int
     in_catalog: bool
     warmth: str
+    # None: its fleet's default idle timeout.
+    idle_timeout_s: int | None = None
+    # A LoRA variant's base model: the variant is served by the base's pool (its workers and queues).
+    base_model: str | None = None
     workers: list[WorkerInfo] = field(default_factory=list)
     queues: dict[str, QueueDepth] = field(default_factory=dict)
+    # Requests that need a worker of its pool (what /metrics reports as flatfare_model_demand).
+    demand: int = 0
     requests_today: int = 0
     billable_today: int = 0
+
+    @property
+    def pool(self) -> str:
+        return self.base_model or self.name
+
+    @property
+    def kept(self) -> str:
+        """How its engines are kept: pinned (always up), on demand, or as a variant of its base."""
+        if self.base_model:
+            return "variant"
+        return "pinned" if self.pinned or self.min_workers > 0 else "on demand"
 
     @property
     def capacity(self) -> int:
@@ -136,12 +153,14 @@ class ModelRow:
 
 
 def warmth(workers: list[WorkerInfo], expected: bool) -> str:
-    """As ``/v1/models`` says it: warm, starting, draining, unavailable (expected but unserved) or idle."""
+    """Its pool's most awake worker's state (warm, waking, starting, draining, sleeping, asleep); with
+    none, unavailable (pinned, so it should have one) or cold (on demand: started when asked for)."""
     states = {w.state for w in workers}
-    for state in (WorkerState.WARM, WorkerState.STARTING, WorkerState.DRAINING):
+    for state in (WorkerState.WARM, WorkerState.WAKING, WorkerState.STARTING, WorkerState.DRAINING,
+                  WorkerState.SLEEPING, WorkerState.ASLEEP):
         if state in states:
             return state.value
-    return "unavailable" if expected else "idle"
+    return "unavailable" if expected else "cold"
 
 
 async def model_rows(state: Any) -> tuple[list[ModelRow], bool]:
@@ -151,21 +170,24 @@ async def model_rows(state: Any) -> tuple[list[ModelRow], bool]:
     async with state.sessions() as session:
         catalog = list(await session.scalars(select(CatalogModel).order_by(CatalogModel.name)))
         today_by_model = await rollup.platform_by_model(session, today, today)
-    rows = {m.name: ModelRow(m.name, m.source, m.enabled, m.pinned, m.min_workers, True, "idle") for m in catalog}
+    rows = {m.name: ModelRow(m.name, m.source, m.enabled, m.pinned, m.min_workers, True, "cold", m.idle_timeout_s,
+                             m.base_model) for m in catalog}
     redis_up = True
     try:
         served = {m.decode() if isinstance(m, bytes) else m for m in await state.redis.smembers(contract.POOLS_KEY)}
         for name in sorted(served - set(rows)):
-            rows[name] = ModelRow(name, "", True, False, 0, False, "idle")
+            rows[name] = ModelRow(name, "", True, False, 0, False, "cold")
         seconds, micros = await state.redis.time()
         now_ms = int(seconds) * 1000 + int(micros) // 1000
+        queues = await pool_queues(state.redis, sorted({row.pool for row in rows.values()}), now_ms)
         for row in rows.values():
-            row.workers = list(await state.pools.live_workers(row.name))
-            row.queues = {lane.value: await queue_depth(state.redis, row.name, lane, now_ms) for lane in Lane}
+            row.workers = list(await state.pools.live_workers(row.pool))
+            row.queues = {q.lane: q for q in queues[row.pool].lanes}
+            row.demand = queues[row.pool].demand
     except REDIS_DOWN:
         redis_up = False
     for row in rows.values():
-        row.warmth = warmth(row.workers, row.enabled and (row.pinned or row.min_workers > 0))
+        row.warmth = warmth(row.workers, row.enabled and row.kept == "pinned")
         usage = today_by_model.get(row.name)
         if usage is not None:
             row.requests_today, row.billable_today = usage.requests, usage.billable_requests

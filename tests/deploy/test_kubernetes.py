@@ -19,8 +19,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from flatfare.contract import Lane
-from flatfare.gateway.metrics import MULTIPROC_ENV, GatewayMetrics, PlatformSnapshot, QueueDepth, exposition
+from flatfare.gateway.metrics import MULTIPROC_ENV, GatewayMetrics, PlatformSnapshot, exposition
 from flatfare.gateway.settings import GatewaySettings
 from tests.conftest import need
 from tests.deploy.files import K8S, REPO, compose, grouping_labels, k8s_documents, load_yaml
@@ -97,9 +96,9 @@ def test_disruption_budgets_select_pods_of_a_deployment() -> None:
         assert any(selector.items() <= labels.items() for labels in pod_labels), budget["metadata"]["name"]
 
 
-# What a worker pool scales on: the jobs of its model waiting (flatfare_queue_depth) plus those workers
-# hold (flatfare_queue_claimed), both lanes, as the gateway's /metrics reports them.
-QUEUE_METRICS = {"flatfare_queue_depth", "flatfare_queue_claimed"}
+# What a worker pool scales on: the requests that need a worker of its model (waiting in a lane or a
+# worker's own stream, or taken and not finished), as the gateway's /metrics reports it.
+QUEUE_METRICS = {"flatfare_model_demand"}
 # A metric selector with its label matchers: flatfare_queue_depth{model="m", lane=~"p.*"}.
 _SELECTOR = re.compile(r"(?P<name>flatfare_[A-Za-z0-9_:]*)\s*(?:\{(?P<matchers>[^}]*)\})?")
 _MATCHER = re.compile(r'(?P<label>[A-Za-z_][A-Za-z0-9_]*)\s*(?P<op>=~|!~|!=|=)\s*"(?P<value>[^"]*)"')
@@ -151,6 +150,8 @@ def test_scaled_objects_scale_a_worker_pool_on_its_models_queue() -> None:
             metadata = trigger["metadata"]
             assert all(isinstance(v, str) for v in metadata.values())  # KEDA's metadata is a map of strings
             assert float(metadata["threshold"]) > 0
+            # KEDA activates a pool (0 -> 1) when the value is above this: one request must be enough.
+            assert 0 <= float(metadata["activationThreshold"]) < 1
             assert metadata.get("ignoreNullValues") == "false", "an empty answer is a lost target, not no work"
             used = _selectors(metadata["query"])
             assert {name for name, _ in used} == QUEUE_METRICS, metadata["query"]
@@ -159,9 +160,9 @@ def test_scaled_objects_scale_a_worker_pool_on_its_models_queue() -> None:
 
 
 def _gateway_samples(monkeypatch: pytest.MonkeyPatch, models: list[str]) -> list[tuple[str, dict[str, str]]]:
-    """The samples of the gateway's /metrics exposition (one process) with every lane of ``models`` queued."""
+    """The samples of the gateway's /metrics exposition (one process) with demand for every one of ``models``."""
     monkeypatch.delenv(MULTIPROC_ENV, raising=False)
-    snapshot = PlatformSnapshot(queues=[QueueDepth(m, lane.value, 3, 2, 1.0) for m in models for lane in Lane])
+    snapshot = PlatformSnapshot(demand={m: 3 for m in models})
     text = exposition(GatewayMetrics(CollectorRegistry()), snapshot).decode()
     return [(s.name, s.labels) for family in text_string_to_metric_families(text) for s in family.samples]
 
@@ -174,37 +175,40 @@ def test_queue_queries_select_what_the_gateway_exports(monkeypatch: pytest.Monke
         query = trigger["metadata"]["query"]
         for name, matchers in _selectors(query):
             picked = [labels for sample, labels in samples if sample == name and matchers.items() <= labels.items()]
-            assert picked, f"{name}{matchers} is not in the gateway's /metrics (gateway/metrics.py)"
-            # Every lane of the model is summed, none left out by a lane matcher.
-            assert {labels["lane"] for labels in picked} == {lane.value for lane in Lane}, query
+            assert picked == [{"model": model}], f"{name}{matchers} is not in the gateway's /metrics (metrics.py)"
             assert grouping_labels(query) <= set(picked[0]), f"grouping by a label {name} lacks in {query!r}"
 
 
-def test_promtool_computes_the_workers_a_queue_asks_for(tmp_path: Path) -> None:
-    """Two gateway replicas report the same queue (every replica reads it from Redis): the query counts
-    it once, adds waiting and taken jobs of both lanes, and ignores other models."""
+def test_pools_kept_on_demand_scale_from_zero_through_the_gateways() -> None:
+    """A pool may scale to zero only if the gateways queue requests for a model with no worker
+    (FLATFARE_EXTERNAL_SCALER in the ConfigMap every pod reads); otherwise its first request would be
+    refused, and nothing would ever ask for a worker."""
+    on_demand = [model for obj, model in _pools() if obj["spec"]["minReplicaCount"] == 0]
+    assert on_demand, "no pool shows scaling from zero"
+    (config,) = [d for d in _documents("ConfigMap") if d["metadata"]["name"] == "flatfare-config"]
+    assert GatewaySettings(external_scaler=config["data"]["FLATFARE_EXTERNAL_SCALER"]).external_scaler is True
+
+
+def test_promtool_computes_the_workers_a_demand_asks_for(tmp_path: Path) -> None:
+    """Two gateway replicas report the same demand (every replica reads it from Redis): the query counts
+    it once and ignores other models."""
     need(PROMTOOL, PROMTOOL_MISSING)
-    # (lane, waiting, claimed): 100 jobs in all, so 2 workers at a threshold of 64.
-    queue = [("premium", 3, 2), ("standard", 80, 15)]
+    demand = 100  # 2 workers at a threshold of 64
     for model, trigger in _queue_triggers():
-        series = []
-        for instance in ("gateway-a:8000", "gateway-b:8000"):
-            for lane, waiting, claimed in queue:
-                for metric, value in (("flatfare_queue_depth", waiting), ("flatfare_queue_claimed", claimed)):
-                    for name, count in ((model, value), ("another-model", 1000)):
-                        series.append({"series": f'{metric}{{instance="{instance}",job="flatfare-gateway",'
-                                                 f'model="{name}",lane="{lane}"}}', "values": f"{count}x10"})
-        total = sum(w + c for _, w, c in queue)
+        series = [{"series": f'flatfare_model_demand{{instance="{instance}",job="flatfare-gateway",model="{name}"}}',
+                   "values": f"{count}x10"}
+                  for instance in ("gateway-a:8000", "gateway-b:8000")
+                  for name, count in ((model, demand), ("another-model", 1000))]
         unit_tests = {"rule_files": [], "evaluation_interval": "1m", "tests": [{
             "interval": "1m", "input_series": series,
             "promql_expr_test": [{"expr": trigger["metadata"]["query"], "eval_time": "5m",
-                                  "exp_samples": [{"labels": "{}", "value": total}]}]}]}
+                                  "exp_samples": [{"labels": "{}", "value": demand}]}]}]}
         path = tmp_path / f"{model}.test.yml"
         path.write_text(yaml.safe_dump(unit_tests, sort_keys=False))
         result = subprocess.run([PROMTOOL, "test", "rules", str(path)], capture_output=True, text=True, timeout=60,
                                 check=False)
         assert result.returncode == 0, result.stdout + result.stderr
-        assert math.ceil(total / float(trigger["metadata"]["threshold"])) == 2
+        assert math.ceil(demand / float(trigger["metadata"]["threshold"])) == 2
 
 
 def _field(doc: Any, path: str) -> list[Any]:

@@ -38,7 +38,7 @@ def exported() -> dict[str, set[str]]:
     gateway.finished("m", "premium", "succeeded", queue_ms=5, prompt_tokens=3, completion_tokens=4)
     gateway.quota_rejected("free")
     snapshot = SnapshotCollector(PlatformSnapshot(
-        queues=[QueueDepth("m", "standard", 1, 1, 0.5)], pools={"m": PoolState(1, True, 1, 8, 2)},
+        queues=[QueueDepth("m", "standard", 1, 1, 0.5)], demand={"m": 2}, pools={"m": PoolState(1, True, 1, 8, 2)},
         billing_enabled=True, outbox_pending=1, outbox_oldest_age_s=2.0, up={"redis": True, "database": True}))
     platform = CollectorRegistry()
     platform.register(snapshot)
