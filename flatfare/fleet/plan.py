@@ -1,0 +1,312 @@
+"""The fleet's decisions: what to start, wake, put to sleep or stop, as a pure function of what the
+supervisor knows at one moment (its models, their queued demand, the engines, its budget, the time).
+
+:func:`decide` reads nothing and changes nothing; :mod:`flatfare.fleet.supervisor` gathers its inputs
+from Redis, the catalog and its child processes, and carries its actions out. The rules:
+
+- An engine holds its accelerator from the moment it starts until it is asleep or has exited:
+  starting, waking, warm, draining and going to sleep all count against ``max_awake`` (and, on a GPU
+  host, hold their GPUs), so the budget is never exceeded even while engines change state.
+- A model with queued requests and no engine serving (warm, starting or waking, this fleet's or
+  another's) gets one: its asleep engine is woken, else a new one starts. A model kept up (pinned, or
+  ``min_workers``) gets that many engines of this fleet whatever the demand.
+- No room: the least recently used idle engine (warm, no job, no demand, not one a kept model needs)
+  is put to sleep (GPU) or stopped (CPU); the model starts once it has let go. An engine already on
+  its way out is waited for rather than evicting another.
+- An idle engine past its model's idle timeout sleeps (GPU) or stops (CPU), unless its model keeps it.
+- A sleeper keeps its weights in host memory (level 1) while the level-1 sleepers' weights fit
+  ``host_memory_gb``; beyond that it drops them (level 2) and reloads them when woken.
+- A start that failed is tried again only after a backoff that doubles with each failure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from flatfare.contract import WorkerState
+
+# States in which an engine holds its accelerator (memory, compute): until ASLEEP or exited.
+HOLDING = frozenset({WorkerState.STARTING, WorkerState.WAKING, WorkerState.WARM, WorkerState.DRAINING,
+                     WorkerState.SLEEPING})
+# States in which an engine serves its model's queue now or shortly.
+SERVING = frozenset({WorkerState.STARTING, WorkerState.WAKING, WorkerState.WARM})
+# Backoff after a failed start: the first retry after this long, doubling up to BACKOFF_MAX_S.
+BACKOFF_S = 5.0
+BACKOFF_MAX_S = 120.0
+# From this many failed starts in a row, a model's waiting reason says the start fails.
+FAILED_STARTS_SHOWN = 2
+
+
+class Act(StrEnum):
+    START = "start"
+    WAKE = "wake"
+    SLEEP = "sleep"
+    STOP = "stop"
+
+
+@dataclass(frozen=True, slots=True)
+class FleetModel:
+    """A catalog model as this fleet serves it."""
+
+    name: str
+    # Engines of this fleet kept up whatever the demand (pinned: at least 1; min_workers).
+    keep: int = 0
+    idle_timeout_s: float = 300.0
+    # Accelerator slots one engine needs (GPUs: tensor x pipeline parallel size); 1 on a CPU host.
+    slots: int = 1
+    # Its weights' size, for the host memory that level-1 sleepers use.
+    weights_gb: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    worker_id: str
+    model: str
+    state: WorkerState
+    slots: tuple[str, ...] = ()
+    # When it last took or finished a job, or became warm (ms): the least recently used goes first.
+    last_used_ms: int = 0
+    inflight: int = 0
+    # The level it sleeps at, or is going to sleep at (0: awake).
+    sleep_level: int = 0
+    # Started by this fleet; another's (or a worker started by hand) counts only as serving its model.
+    own: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    # GPU ids, or ("cpu",) on a CPU host.
+    slots: tuple[str, ...]
+    max_awake: int
+    host_memory_gb: float = 0.0
+    # On a GPU host engines sleep and hold their own GPUs; on a CPU host they share the cores and stop.
+    gpu: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A model's failed starts in a row, the last one's time (ms) and why it failed."""
+
+    count: int
+    last_ms: int
+    reason: str
+
+    def retry_at_ms(self) -> int:
+        return self.last_ms + int(min(BACKOFF_S * 2 ** (self.count - 1), BACKOFF_MAX_S) * 1000)
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    act: Act
+    model: str
+    why: str
+    worker_id: str = ""
+    # START: the slots it gets (GPU ids; () on a CPU host).
+    slots: tuple[str, ...] = ()
+    # SLEEP: vLLM's sleep level.
+    level: int = 0
+
+
+@dataclass(slots=True)
+class Plan:
+    actions: list[Action] = field(default_factory=list)
+    # Models with demand that get no engine now -> why (FleetStatus.waiting).
+    waiting: dict[str, str] = field(default_factory=dict)
+
+
+class _Tick:
+    """One decision's working state: the engines as the actions so far leave them."""
+
+    def __init__(self, models: Mapping[str, FleetModel], demand: Mapping[str, int], engines: Sequence[Engine],
+                 budget: Budget, now_ms: int) -> None:
+        self.models = models
+        self.demand = demand
+        self.budget = budget
+        self.now_ms = now_ms
+        self.state = {e.worker_id: e.state for e in engines}
+        self.engines = {e.worker_id: e for e in engines}
+        # Engines on their way out whose release a waiting model already counts on.
+        self.claimed: set[str] = set()
+        self.plan = Plan()
+
+    def own(self, model: str | None = None, states: Iterable[WorkerState] | None = None) -> list[Engine]:
+        wanted = None if states is None else set(states)
+        return [e for e in self.engines.values() if e.own and (model is None or e.model == model)
+                and (wanted is None or self.state[e.worker_id] in wanted)]
+
+    def holding(self) -> list[Engine]:
+        return self.own(states=HOLDING)
+
+    def busy_slots(self) -> set[str]:
+        return {s for e in self.holding() for s in e.slots} if self.budget.gpu else set()
+
+    def free_slots(self) -> list[str]:
+        busy = self.busy_slots()
+        return [s for s in self.budget.slots if s not in busy]
+
+    def serving(self, model: str) -> int:
+        return sum(1 for e in self.engines.values() if e.model == model and self.state[e.worker_id] in SERVING)
+
+    def kept(self, engine: Engine) -> bool:
+        """Whether its model's keep count needs this engine (the most recently used are kept)."""
+        model = self.models.get(engine.model)
+        if model is None or model.keep == 0:
+            return False
+        serving = sorted(self.own(engine.model, SERVING), key=lambda e: e.last_used_ms, reverse=True)
+        return engine in serving[:model.keep]
+
+    def idle(self, engine: Engine) -> bool:
+        return (self.state[engine.worker_id] is WorkerState.WARM and engine.inflight == 0
+                and self.demand.get(engine.model, 0) == 0)
+
+    def evictable(self) -> list[Engine]:
+        """Idle engines no kept model needs, least recently used first."""
+        return sorted((e for e in self.own(states=[WorkerState.WARM]) if self.idle(e) and not self.kept(e)),
+                      key=lambda e: (e.last_used_ms, e.worker_id))
+
+    def leaving(self) -> list[Engine]:
+        """Engines on their way out (going to sleep, or draining to stop) nobody counts on yet."""
+        return [e for e in self.own(states=[WorkerState.SLEEPING, WorkerState.DRAINING])
+                if e.worker_id not in self.claimed]
+
+    def act(self, action: Action) -> None:
+        self.plan.actions.append(action)
+        if action.act is Act.SLEEP:
+            self.state[action.worker_id] = WorkerState.SLEEPING
+        elif action.act is Act.STOP:
+            self.state[action.worker_id] = WorkerState.DRAINING
+        elif action.act is Act.WAKE:
+            self.state[action.worker_id] = WorkerState.WAKING
+        else:
+            placeholder = Engine(f"(new {action.model} {len(self.plan.actions)})", action.model,
+                                 WorkerState.STARTING, action.slots, self.now_ms)
+            self.engines[placeholder.worker_id] = placeholder
+            self.state[placeholder.worker_id] = WorkerState.STARTING
+
+    def release(self, engine: Engine, why: str) -> None:
+        """Sleep (GPU) or stop (CPU) ``engine``."""
+        if self.budget.gpu:
+            self.act(Action(Act.SLEEP, engine.model, why, engine.worker_id, level=self.sleep_level(engine.model)))
+        else:
+            self.act(Action(Act.STOP, engine.model, why, engine.worker_id))
+
+    def sleep_level(self, model: str) -> int:
+        """1 while the level-1 sleepers' weights and this model's fit the host memory budget, else 2."""
+        used = sum(self._weights(e.model) for e in self.own(states=[WorkerState.ASLEEP, WorkerState.SLEEPING])
+                   if self._level(e) == 1)
+        return 1 if used + self._weights(model) <= self.budget.host_memory_gb else 2
+
+    def _level(self, engine: Engine) -> int:
+        # An engine this tick put to sleep: the level of its action.
+        for action in self.plan.actions:
+            if action.worker_id == engine.worker_id and action.act is Act.SLEEP:
+                return action.level
+        return engine.sleep_level
+
+    def _weights(self, model: str) -> float:
+        entry = self.models.get(model)
+        return entry.weights_gb if entry else 0.0
+
+
+def decide(models: Mapping[str, FleetModel], demand: Mapping[str, int], engines: Sequence[Engine],
+           budget: Budget, now_ms: int, failures: Mapping[str, Failure] | None = None) -> Plan:
+    """What to do now. ``demand``: jobs queued per model; ``engines``: every live engine of the
+    models' pools (this fleet's children with the state they are in or were just told to go to)."""
+    tick = _Tick(models, demand, engines, budget, now_ms)
+    failures = failures or {}
+    _stop_unserved(tick)
+    order = sorted(models.values(), key=lambda m: (m.keep == 0, -demand.get(m.name, 0), m.name))
+    for model in order:
+        _bring_up(tick, model, failures.get(model.name))
+    _put_idle_away(tick)
+    return tick.plan
+
+
+def _stop_unserved(tick: _Tick) -> None:
+    """Engines of models this fleet no longer serves (removed, disabled) stop, asleep or not."""
+    for engine in tick.own(states=[*HOLDING, WorkerState.ASLEEP]):
+        if engine.model not in tick.models and tick.state[engine.worker_id] is not WorkerState.DRAINING:
+            tick.act(Action(Act.STOP, engine.model, "no longer served by this fleet (removed or disabled)",
+                            engine.worker_id))
+
+
+def _bring_up(tick: _Tick, model: FleetModel, failure: Failure | None) -> None:
+    queued = tick.demand.get(model.name, 0)
+    want = max(model.keep - len(tick.own(model.name, SERVING)),
+               1 if queued and not tick.serving(model.name) else 0)
+    for _ in range(want):
+        if tick.own(model.name, [WorkerState.SLEEPING]):
+            tick.plan.waiting[model.name] = "its engine is going to sleep; it is woken once asleep"
+            return
+        if not _wake_or_start(tick, model, failure):
+            return
+
+
+def _wake_or_start(tick: _Tick, model: FleetModel, failure: Failure | None) -> bool:
+    """Wake or start one engine of ``model``, or make room for it; whether it got one now."""
+    budget = tick.budget
+    why = "kept up (pinned)" if model.keep and len(tick.own(model.name, SERVING)) < model.keep \
+        else f"{tick.demand.get(model.name, 0)} request(s) queued"
+    room = len(tick.holding()) < budget.max_awake
+    free = tick.free_slots()
+    for engine in sorted(tick.own(model.name, [WorkerState.ASLEEP]), key=lambda e: (e.sleep_level, -e.last_used_ms)):
+        if room and not (budget.gpu and set(engine.slots) - set(free)):
+            tick.act(Action(Act.WAKE, model.name, why, engine.worker_id))
+            return True
+    if failure is not None and tick.now_ms < failure.retry_at_ms():
+        tick.plan.waiting[model.name] = _failed(failure, f"retrying in {(failure.retry_at_ms() - tick.now_ms) / 1000:.0f} s")
+        return False
+    needed = model.slots if budget.gpu else 0
+    if room and len(free) >= needed:
+        tick.act(Action(Act.START, model.name, why, slots=tuple(free[:needed])))
+        return True
+    _make_room(tick, model, needed)
+    if failure is not None and failure.count >= FAILED_STARTS_SHOWN:
+        tick.plan.waiting[model.name] = _failed(failure, tick.plan.waiting.get(model.name, ""))
+    return False
+
+
+def _failed(failure: Failure, then: str) -> str:
+    return f"the start failed ({failure.count} time(s)): {failure.reason}" + (f"; {then}" if then else "")
+
+
+def _make_room(tick: _Tick, model: FleetModel, needed: int) -> None:
+    """Let go of as few idle engines as make room for one engine of ``model`` (``needed`` slots),
+    counting first on those already leaving; say in ``waiting`` what the model waits for."""
+    budget = tick.budget
+    holding = tick.holding()
+    over = len(holding) + 1 - budget.max_awake
+    short = needed - len(tick.free_slots())
+    chosen: list[Engine] = []
+    for engine in [*tick.leaving(), *tick.evictable()]:
+        if over <= 0 and short <= 0:
+            break
+        chosen.append(engine)
+        over -= 1
+        short -= len(engine.slots) if budget.gpu else 0
+    if over > 0 or short > 0:
+        serving = sorted({e.model for e in holding})
+        what = f"no free engine slot: {len(holding)} of {budget.max_awake} busy serving {', '.join(serving)}"
+        if budget.gpu and short > 0:
+            what = f"no free GPU: {model.name} needs {needed}, {len(tick.free_slots())} free (busy serving " \
+                   f"{', '.join(serving)})"
+        tick.plan.waiting[model.name] = what
+        return
+    verb = "sleep" if budget.gpu else "stop"
+    for engine in chosen:
+        tick.claimed.add(engine.worker_id)
+        if tick.state[engine.worker_id] is WorkerState.WARM:
+            tick.release(engine, f"least recently used idle engine: room for {model.name}")
+    tick.plan.waiting[model.name] = f"waiting for {', '.join(e.model for e in chosen)} to {verb}"
+
+
+def _put_idle_away(tick: _Tick) -> None:
+    for engine in tick.own(states=[WorkerState.WARM]):
+        model = tick.models.get(engine.model)
+        if model is None or not tick.idle(engine) or tick.kept(engine):
+            continue
+        idle_s = (tick.now_ms - engine.last_used_ms) / 1000
+        if idle_s >= model.idle_timeout_s:
+            tick.release(engine, f"idle for {idle_s:.0f} s (timeout {model.idle_timeout_s:.0f} s)")
