@@ -56,10 +56,16 @@ DEVICE_WHEELS = ["redis==8.1.0", "SQLAlchemy==2.1.9", "greenlet==3.5.6", "alembi
                  # method, fp8 included, and the payload lacks it (gpu_device.sh capabilities: the fp8 entry).
                  "compressed-tensors==0.17.0", "loguru==0.7.3",
                  # vLLM 0.26 imports lm-format-enforcer to validate any structured output (forced tool calls, JSON
-                 # schemas); the payload lacks it. (Its LLaVA also imports mistral_common, through pixtral; carried,
-                 # mistral_common 1.13.1 made transformers' MistralCommonBackend fail to import on the device, which
-                 # vLLM's guidance backend then imports for every model: not carried.)
+                 # schemas); the payload lacks it.
                  "lm-format-enforcer==0.11.3", "interegular==0.3.3", "pyyaml==6.0.4"]
+# For the LLaVA entry of `gpu_device.sh capabilities` only, installed apart (vision/, on its path alone): vLLM's
+# LLaVA imports mistral_common (through pixtral), and once it is importable transformers' MistralCommonBackend,
+# which vLLM's guidance backend imports for every model, needs all of its dependencies (mistral_common 1.13.1
+# carried alone broke every start). With these on every run's path the Llama tokenizer of `run` failed to
+# load on both sides ("Couldn't instantiate the backend tokenizer").
+VISION_WHEELS = ["mistral-common==1.11.7", "jsonschema==4.26.0", "jsonschema-specifications==2025.9.1",
+                 "referencing==0.37.0", "rpds-py==2026.9.1", "attrs==26.1.0", "pydantic-extra-types==2.11.1",
+                 "pycountry==26.2.16", "tiktoken==0.14.0"]
 REDIS_LIBS = ("liblzf.so.1", "libjemalloc.so.2")
 
 
@@ -130,11 +136,12 @@ def prepare() -> int:
     shutil.rmtree(WHEELS_DIR, ignore_errors=True)
     whl.mkdir(parents=True)
     wheel = build_flatfare_wheel(WHEELS_DIR / FLATFARE_WHEEL_DIR)
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
-                    "--python-version", "3.12", "--implementation", "cp", "--abi", "cp312", "--abi", "abi3",
-                    "--abi", "none", "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
-                    "--platform", "manylinux2014_x86_64", "--platform", "any", "-d", str(whl), *DEVICE_WHEELS],
-                   check=True)
+    for folder, wheels in ((whl, DEVICE_WHEELS), (WHEELS_DIR / "vision", VISION_WHEELS)):
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
+                        "--python-version", "3.12", "--implementation", "cp", "--abi", "cp312", "--abi", "abi3",
+                        "--abi", "none", "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
+                        "--platform", "manylinux2014_x86_64", "--platform", "any", "-d", str(folder), *wheels],
+                       check=True)
     server = shutil.which("redis-server")
     if server is None:
         print("need a redis-server here to carry (apt-get install redis-server)", file=sys.stderr)

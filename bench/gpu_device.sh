@@ -27,6 +27,7 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 FFSITE=${FFSITE:-/tmp/ffsite}
+FFVISION=${FFVISION:-/tmp/ffvision}
 FFBENCH=${FFBENCH:-/tmp/ffbench}
 WHEELS=${GPU_WHEELS:-$ROOT/.gpu_wheels}
 PYTHON=${PYTHON:-python3}
@@ -132,6 +133,10 @@ link_bench() {
 setup() {
   [ -d "$WHEELS/whl" ] || die ".gpu_wheels not carried"
   install_flatfare "$WHEELS"/whl/*.whl
+  if [ -d "$WHEELS/vision" ]; then  # bench/gpu.py VISION_WHEELS: on the LLaVA entry's path only
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$FFVISION" \
+      "$WHEELS"/vision/*.whl 2>&1 | grep -v 'WARNING: Target directory' || true
+  fi
   mkdir -p "$FFSITE/bin" "$FFSITE/lib"
   link_bench
   cp "$WHEELS"/redis/lib/* "$FFSITE/lib/"
@@ -214,7 +219,11 @@ capabilities() {
       --size "$size" --tokenizer "$VLLM_TOK_DIR" --out "/tmp/c$arch") > "$dir/make-$arch.log" 2>&1 \
       || { tail -5 "$dir/make-$arch.log"; continue; }
     [ "$(left)" -gt 150 ] || { say "$entry skipped: $(left) s left"; continue; }
-    (cd "$ROOT" && timeout -s INT -k 20 $(( $(left) - 40 )) python3 -m bench capabilities run --entry "$entry" \
+    # vLLM 0.26's LLaVA imports Pixtral names the device's newer transformers renamed (bench/device_compat),
+    # and mistral_common with its dependencies (bench/gpu.py VISION_WHEELS, in $FFVISION).
+    compat=""; [ "$arch" = llava ] && compat="$ROOT/bench/device_compat:$FFVISION"
+    (cd "$ROOT" && PYTHONPATH=${compat:+$compat:}$PYTHONPATH timeout -s INT -k 20 $(( $(left) - 40 )) \
+      python3 -m bench capabilities run --entry "$entry" \
       --model-dir "/tmp/c$arch" --workdir "/tmp/ffcaps-$entry" --json "$dir/$entry.json" --ready-timeout 400 \
       --engine-options "${CAPS_OPTIONS:-{\"enforce_eager\": true\}}") \
       > "$dir/$entry.log" 2>&1 || say "$entry: some checks failed or it stopped (rc $?)"
