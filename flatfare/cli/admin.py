@@ -111,14 +111,43 @@ def models_list() -> None:
     _call("GET", "/models", params={"limit": 200})
 
 
+IdleTimeout = Annotated[int | None, typer.Option(
+    help="On demand: put its engines to sleep (stop them on a CPU host) after this many seconds unused "
+         "(10 to 86400); without it, the fleet's default.")]
+
+
 @models_app.command("add")
-def models_add(name: str, source: Annotated[str, typer.Option(help="Local folder or hub id.")],
+def models_add(name: str, source: Annotated[str, typer.Option(help="Local folder or hub id; a LoRA adapter's "
+                                                                   "folder for a variant.")],
                option: Annotated[list[str] | None, typer.Option(help="Engine option FIELD=VALUE.")] = None,
-               pinned: bool = False, min_workers: int = 0,
+               pinned: Annotated[bool, typer.Option(help="Keep it warm always (else: on demand).")] = False,
+               min_workers: int = 0, idle_timeout_s: IdleTimeout = None,
+               base_model: Annotated[str | None, typer.Option(
+                   help="Make it a LoRA variant served by this catalog model's engines (which need "
+                        "--option enable_lora=true).")] = None,
                trust_remote_code: Annotated[bool, typer.Option(
                    help="Let the model's repository run its own code in the workers (Kimi K2, ...).")] = False) -> None:
-    _call("POST", "/models", {"name": name, "source": source, "engine_options": _fields(option), "pinned": pinned,
-                              "min_workers": min_workers, "trust_remote_code": trust_remote_code})
+    body = {"name": name, "source": source, "engine_options": _fields(option), "pinned": pinned,
+            "min_workers": min_workers, "trust_remote_code": trust_remote_code}
+    body.update({k: v for k, v in (("idle_timeout_s", idle_timeout_s), ("base_model", base_model)) if v is not None})
+    _call("POST", "/models", body)
+
+
+@models_app.command("update")
+def models_update(name: str, pinned: Annotated[bool | None, typer.Option(
+                      "--pinned/--on-demand", help="Keep it warm always, or start it when asked for.")] = None,
+                  idle_timeout_s: IdleTimeout = None,
+                  default_idle_timeout: Annotated[bool, typer.Option(
+                      help="Go back to the fleet's default idle timeout.")] = False,
+                  fields: SetOption = None) -> None:
+    """Change a catalog entry, e.g. `--on-demand --idle-timeout-s 600`, or any field with
+    `--set FIELD=VALUE` (`--set base_model=llama-8b`, `--set 'engine_options={...}'`)."""
+    body = _fields(fields)
+    if pinned is not None:
+        body["pinned"] = pinned
+    if idle_timeout_s is not None or default_idle_timeout:
+        body["idle_timeout_s"] = idle_timeout_s
+    _call("PATCH", f"/models/{name}", body)
 
 
 @models_app.command("enable")

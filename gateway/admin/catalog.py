@@ -62,7 +62,8 @@ async def delete_plan(request: Request, name: str, admin: AdminWriter) -> Respon
 # -- models ------------------------------------------------------------------------------------
 
 async def _public(request: Request, model: CatalogModel) -> ModelPublic:
-    return ModelPublic.of(model, await request.app.state.pools.live_workers(model.name))
+    # A LoRA variant is served by its base model's pool.
+    return ModelPublic.of(model, await request.app.state.pools.live_workers(model.base_model or model.name))
 
 
 @router.get("/models", response_model=Page[ModelPublic])
@@ -101,5 +102,6 @@ async def update_model(request: Request, name: str, body: ModelUpdate, admin: Ad
 
 @router.delete("/models/{name:path}", status_code=204)
 async def delete_model(request: Request, name: str, admin: AdminWriter) -> Response:
+    """Delete a catalog entry; a base model with variants is refused (409 naming them)."""
     await services.delete_model(request.app.state.sessions, admin, name)
     return Response(status_code=204)

@@ -24,6 +24,12 @@ class _ModelFields(_In):
     plans: list[Name] | None = None
     pinned: bool | None = None
     min_workers: Annotated[int, Field(ge=0, le=1024)] | None = None
+    # An on-demand model's engines are put to sleep (stopped, on a CPU host) after this long unused;
+    # null: the fleet's default (FLATFARE_FLEET_IDLE_TIMEOUT_S).
+    idle_timeout_s: Annotated[int, Field(ge=10, le=86400)] | None = None
+    # A LoRA variant: ``source`` is the adapter, served by this catalog model's engines (which need
+    # enable_lora); null: a model of its own.
+    base_model: ModelName | None = None
     enabled: bool | None = None
 
     _not_null = field_validator("source", "pinned", "min_workers", "enabled", "trust_remote_code")(_refuse_null)
@@ -82,10 +88,13 @@ class ModelPublic(_Out):
     plans: list[str] | None
     pinned: bool
     min_workers: int
+    idle_timeout_s: int | None = None
+    base_model: str | None = None
     enabled: bool
     created_at: Timestamp
     live_workers: int = 0
-    # The live workers of its shared pool, each with the engine configuration it runs.
+    # The live workers of its shared pool (a variant's: its base model's), each with the engine
+    # configuration it runs and its state (warm, asleep, ...).
     workers: list[WorkerPublic] = Field(default_factory=list)
 
     @classmethod

@@ -102,6 +102,12 @@ class EngineOptions(_In):
     limit_mm_per_prompt: MediaLimits | None = None
     allowed_media_domains: Annotated[list[_Domain], Field(min_length=1, max_length=64)] | None = None
     mm_processor_cache_gb: Annotated[float, Field(ge=0, le=1024)] | None = None
+    # LoRA: a base model whose catalog variants (entries with base_model) its engines serve. max_loras
+    # adapters run in one batch, max_cpu_loras stay loaded in host memory (at least max_loras).
+    enable_lora: bool | None = None
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] | None = None
+    max_loras: Annotated[int, Field(ge=1, le=256)] | None = None
+    max_cpu_loras: Annotated[int, Field(ge=1, le=4096)] | None = None
     # Refused here: the entry's own trust_remote_code field turns it on (see the module's docstring).
     trust_remote_code: bool | None = None
 
@@ -145,6 +151,12 @@ class EngineOptions(_In):
                              "limit_mm_per_prompt (e.g. {\"image\": 4}) for a multimodal model")
         if self.quantization == "gguf" and self.load_format not in (None, "gguf"):
             raise ValueError(f"quantization 'gguf' loads a GGUF file: load_format '{self.load_format}' contradicts it")
+        for option in ("max_lora_rank", "max_loras", "max_cpu_loras"):
+            if getattr(self, option) is not None and not self.enable_lora:
+                raise ValueError(f"{option} only applies with enable_lora: true")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < (self.max_loras or 1):
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                             f"({self.max_loras or 1}): the adapters a batch runs are also kept in host memory")
         formats = {self.tokenizer_mode, self.config_format} - {None, "auto"}
         if "mistral" in formats and len(formats) > 1:
             raise ValueError("tokenizer_mode and config_format disagree: a Mistral-format model sets both to "

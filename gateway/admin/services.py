@@ -133,15 +133,61 @@ def check_tensor_parallel(source: str, options: EngineOptions | None) -> None:
                        param="engine_options.tensor_parallel_size", code="invalid_value")
 
 
+async def _variants_of(session: AsyncSession, name: str) -> list[str]:
+    return list(await session.scalars(select(CatalogModel.name).where(CatalogModel.base_model == name)
+                                      .order_by(CatalogModel.name)))
+
+
+async def _check_variant(session: AsyncSession, model: CatalogModel) -> None:
+    """A LoRA variant (``base_model`` set) runs on its base's engines: the base must exist, be enabled,
+    be a model of its own and start its engines with enable_lora; the variant keeps nothing up itself.
+    400 naming the problem otherwise."""
+    base_name = model.base_model
+    if base_name is None:
+        variants = await _variants_of(session, model.name)
+        if variants and (model.engine_options or {}).get("enable_lora") is not True:
+            raise APIError(409, f"'{model.name}' is the base of {', '.join(variants)}: its engine options must "
+                           "keep enable_lora: true (delete its variants first).",
+                           param="engine_options.enable_lora", code="model_has_variants")
+        return
+
+    def refuse(message: str, param: str = "base_model") -> APIError:
+        return APIError(400, message, param=param, code="invalid_base_model")
+
+    if base_name == model.name:
+        raise refuse(f"'{model.name}' cannot be its own base_model.")
+    variants = await _variants_of(session, model.name)
+    if variants:
+        raise refuse(f"'{model.name}' is the base of {', '.join(variants)}, so it cannot be a variant itself.")
+    base = await session.get(CatalogModel, base_name)
+    if base is None:
+        raise refuse(f"The base_model '{base_name}' is not in the catalog; add it first.")
+    if base.base_model is not None:
+        raise refuse(f"The base_model '{base_name}' is itself a variant of '{base.base_model}': name "
+                     f"'{base.base_model}' instead.")
+    if not base.enabled:
+        raise refuse(f"The base_model '{base_name}' is disabled; enable it first.")
+    if (base.engine_options or {}).get("enable_lora") is not True:
+        raise refuse(f"The base_model '{base_name}' does not serve adapters: set its engine options' enable_lora "
+                     "to true (with max_lora_rank at least this adapter's rank, and max_loras).")
+    for field, kept in (("pinned", model.pinned), ("min_workers", model.min_workers),
+                        ("idle_timeout_s", model.idle_timeout_s)):
+        if kept:
+            raise refuse(f"A variant runs on the engines of '{base_name}', which keep it up: set {field} on "
+                         f"'{base_name}' instead.", param=field)
+
+
 async def create_model(sessions: Sessions, admin: Admin, body: ModelCreate) -> CatalogModel:
-    check_tensor_parallel(body.source, body.engine_options)
+    if body.base_model is None:
+        check_tensor_parallel(body.source, body.engine_options)
     async with sessions() as session, session.begin():
         if await session.get(CatalogModel, body.name) is not None:
             raise APIError(409, f"A model named '{body.name}' exists.", param="name", code="model_exists")
         model = CatalogModel(
             name=body.name, source=body.source, engine_options=body.options(), plans=body.plans,
-            pinned=bool(body.pinned), min_workers=body.min_workers or 0,
-            enabled=True if body.enabled is None else body.enabled)
+            pinned=bool(body.pinned), min_workers=body.min_workers or 0, idle_timeout_s=body.idle_timeout_s,
+            base_model=body.base_model, enabled=True if body.enabled is None else body.enabled)
+        await _check_variant(session, model)
         session.add(model)
         await session.flush()
         await session.refresh(model)
@@ -150,6 +196,8 @@ async def create_model(sessions: Sessions, admin: Admin, body: ModelCreate) -> C
 
 
 async def update_model(sessions: Sessions, admin: Admin, name: str, body: ModelUpdate) -> CatalogModel:
+    """Apply the fields ``body`` sets. A base model with variants cannot be disabled or lose
+    enable_lora (409 naming them): its variants would be left with no engine to run on."""
     async with sessions() as session, session.begin():
         model = await session.get(CatalogModel, name, with_for_update=True)
         if model is None:
@@ -162,15 +210,26 @@ async def update_model(sessions: Sessions, admin: Admin, name: str, body: ModelU
             changes["engine_options"] = body.options(model.engine_options)
         for field, value in changes.items():
             setattr(model, field, value)
+        if not model.enabled:
+            variants = await _variants_of(session, name)
+            if variants:
+                raise APIError(409, f"'{name}' is the base of {', '.join(variants)}: disable or delete them first.",
+                               param="enabled", code="model_has_variants")
+        await _check_variant(session, model)
         await session.flush()
         record(session, admin, "model.update", "model", name, before, snapshot(model))
     return model
 
 
 async def delete_model(sessions: Sessions, admin: Admin, name: str) -> None:
+    """Delete a catalog entry; a base model with variants is refused (409 naming them)."""
     async with sessions() as session, session.begin():
         model = await session.get(CatalogModel, name, with_for_update=True)
         if model is None:
             raise not_found("model", name)
+        variants = await _variants_of(session, name)
+        if variants:
+            raise APIError(409, f"'{name}' is the base of {', '.join(variants)}: delete them first.",
+                           code="model_has_variants")
         record(session, admin, "model.delete", "model", name, snapshot(model), None)
         await session.delete(model)

@@ -231,14 +231,16 @@ async def models(request: Request, admin: ConsoleAdmin) -> Response:
 
 @router.post("/models/{name:path}")
 async def save_model(request: Request, name: str, admin: ConsoleAdmin, form: ConsoleForm) -> Response:
-    """Enable or disable a catalog entry, pin it, set its minimum of workers (a form sends any of them)."""
+    """Enable or disable a catalog entry, pin it, set its minimum of workers or its idle timeout (blank:
+    the fleet's default); a form sends any of them."""
     _writer(admin)
     fields: dict[str, Any] = {}
     for flag in ("enabled", "pinned"):
         if flag in form:
             fields[flag] = form[flag] in ("true", "on", "1")
-    if "min_workers" in form:
-        fields["min_workers"] = form["min_workers"][:16].strip()
+    for number in ("min_workers", "idle_timeout_s"):
+        if number in form:
+            fields[number] = form[number][:16].strip() or None
     error = ""
     try:
         await services.update_model(request.app.state.sessions, admin, name[:128], ModelUpdate(**fields))

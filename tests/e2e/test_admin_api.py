@@ -580,3 +580,92 @@ def test_both_clis_set_and_change_a_keys_in_flight_cap(astack, admin) -> None:
     assert contradiction.returncode != 0 and "--max-inflight" in contradiction.stderr
     assert next(k for k in admin.get(f"/accounts/{account['id']}/keys").json()["data"]
                 if k["id"] == local["id"])["max_inflight"] is None
+
+
+# -- models kept on demand and LoRA variants (issue 22) ------------------------------------------------
+
+def _refused(response: httpx.Response, status: int, param: str, *words: str) -> None:
+    """An OpenAI error envelope with ``status``, naming ``param`` and saying each of ``words``."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, error
+    assert all(word in error["message"] for word in words), error["message"]
+
+
+def test_an_idle_timeout_is_set_shown_cleared_and_bounded(admin) -> None:
+    created = admin.post("/models", json={"name": "on-demand-1", "source": "instant", "idle_timeout_s": 120})
+    assert created.status_code == 201, created.text
+    shown = created.json()
+    assert (shown["idle_timeout_s"], shown["base_model"], shown["pinned"]) == (120, None, False)
+    assert admin.patch("/models/on-demand-1", json={"idle_timeout_s": 600}).json()["idle_timeout_s"] == 600
+    for wrong in (9, 86_401, "soon"):
+        _refused(admin.patch("/models/on-demand-1", json={"idle_timeout_s": wrong}), 422, "idle_timeout_s")
+    assert admin.get("/models/on-demand-1").json()["idle_timeout_s"] == 600
+    # null: back to the fleet's default.
+    assert admin.patch("/models/on-demand-1", json={"idle_timeout_s": None}).json()["idle_timeout_s"] is None
+    audited = admin.get("/audit", params={"limit": 200}).json()["data"]
+    assert any(e["action"] == "model.update" and (e["before"] or {}).get("idle_timeout_s") == 120
+               and e["after"]["idle_timeout_s"] == 600 for e in audited)
+
+
+def test_a_variants_base_must_exist_be_enabled_be_no_variant_and_serve_adapters(admin) -> None:
+    lora = {"enable_lora": True, "max_lora_rank": 16, "max_loras": 2}
+    base = admin.post("/models", json={"name": "lora-base", "source": "instant", "engine_options": lora})
+    assert base.status_code == 201, base.text
+    assert admin.post("/models", json={"name": "plain-base", "source": "instant"}).status_code == 201
+    assert admin.post("/models", json={"name": "off-base", "source": "instant", "engine_options": lora,
+                                       "enabled": False}).status_code == 201
+    variant = admin.post("/models", json={"name": "lora-v1", "source": "/adapters/v1", "base_model": "lora-base"})
+    assert variant.status_code == 201, variant.text
+    assert admin.get("/models/lora-v1").json()["base_model"] == "lora-base"
+    for name, base, words in (("v-missing", "no-such-base", ("no-such-base", "not in the catalog")),
+                              ("v-chain", "lora-v1", ("lora-v1", "itself a variant of 'lora-base'")),
+                              ("v-plain", "plain-base", ("plain-base", "enable_lora")),
+                              ("v-off", "off-base", ("off-base", "disabled")),
+                              ("v-self", "v-self", ("its own base_model",))):
+        _refused(admin.post("/models", json={"name": name, "source": "/adapters/x", "base_model": base}),
+                 400, "base_model", *words)
+        assert admin.get(f"/models/{name}").status_code == 404  # nothing created
+    # A variant runs on its base's engines: it keeps nothing up of its own.
+    _refused(admin.post("/models", json={"name": "v-pinned", "source": "/a", "base_model": "lora-base",
+                                         "pinned": True}), 400, "pinned", "lora-base")
+    _refused(admin.patch("/models/lora-v1", json={"idle_timeout_s": 60}), 400, "idle_timeout_s", "lora-base")
+    _refused(admin.patch("/models/lora-v1", json={"base_model": "plain-base"}), 400, "base_model", "enable_lora")
+    assert admin.get("/models/lora-v1").json()["base_model"] == "lora-base"
+    # A base with a variant can make itself no variant, and cannot lose its adapters, be disabled or deleted.
+    _refused(admin.patch("/models/lora-base", json={"base_model": "off-base"}), 400, "base_model", "lora-v1")
+    _refused(admin.patch("/models/lora-base", json={"engine_options": {}}), 409, "engine_options.enable_lora",
+             "lora-v1")
+    _refused(admin.patch("/models/lora-base", json={"enabled": False}), 409, "enabled", "lora-v1")
+    assert admin.get("/models/lora-base").json()["enabled"] is True
+    refused = admin.delete("/models/lora-base")
+    assert refused.status_code == 409 and "lora-v1" in refused.json()["error"]["message"]
+    # LoRA options are checked like every engine option.
+    _refused(admin.patch("/models/plain-base", json={"engine_options": {"max_loras": 2}}), 422,
+             "engine_options", "enable_lora")
+    _refused(admin.patch("/models/plain-base", json={"engine_options": {"enable_lora": True, "max_lora_rank": 12}}),
+             422, "engine_options.max_lora_rank")
+    assert admin.delete("/models/lora-v1").status_code == 204
+    assert admin.patch("/models/lora-base", json={"enabled": False}).status_code == 200
+    assert admin.delete("/models/lora-base").status_code == 204
+
+
+def test_the_cli_adds_models_on_demand_and_variants(astack, admin) -> None:
+    astack.env.update({"FLATFARE_ADMIN_URL": astack.base_url, "FLATFARE_ADMIN_TOKEN": astack.admin_token})
+    out = astack.cli("admin", "models", "add", "cli-base", "--source", "instant", "--option", "enable_lora=true",
+                     "--option", "max_lora_rank=8", "--idle-timeout-s", "300")
+    assert out.returncode == 0, out.stderr
+    shown = json.loads(out.stdout)
+    assert (shown["idle_timeout_s"], shown["engine_options"]["enable_lora"]) == (300, True)
+    out = astack.cli("admin", "models", "add", "cli-variant", "--source", "/adapters/a", "--base-model", "cli-base")
+    assert out.returncode == 0 and json.loads(out.stdout)["base_model"] == "cli-base", out.stderr
+    out = astack.cli("admin", "models", "add", "cli-orphan", "--source", "/adapters/b", "--base-model", "nope")
+    assert out.returncode == 1 and "error 400" in out.stderr and "nope" in out.stderr
+    out = astack.cli("admin", "models", "update", "cli-base", "--pinned")
+    assert out.returncode == 0 and json.loads(out.stdout)["pinned"] is True, out.stderr
+    out = astack.cli("admin", "models", "update", "cli-base", "--on-demand", "--idle-timeout-s", "900")
+    assert out.returncode == 0, out.stderr
+    assert (json.loads(out.stdout)["pinned"], json.loads(out.stdout)["idle_timeout_s"]) == (False, 900)
+    out = astack.cli("admin", "models", "update", "cli-base", "--default-idle-timeout")
+    assert out.returncode == 0 and json.loads(out.stdout)["idle_timeout_s"] is None, out.stderr
+    assert admin.get("/models/cli-orphan").status_code == 404
