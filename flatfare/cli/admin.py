@@ -135,16 +135,19 @@ def models_add(name: str, source: Annotated[str, typer.Option(help="Local folder
 
 @models_app.command("update")
 def models_update(name: str, pinned: Annotated[bool | None, typer.Option(
-                      "--pinned/--on-demand", help="Keep it warm always, or start it when asked for.")] = None,
+                      "--pinned/--on-demand", help="Keep it warm always, or start it when asked for (a "
+                                                   "min_workers above 0 keeps it up too).")] = None,
                   idle_timeout_s: IdleTimeout = None,
                   default_idle_timeout: Annotated[bool, typer.Option(
-                      help="Go back to the fleet's default idle timeout.")] = False,
+                      "--default-idle-timeout", help="Go back to the fleet's default idle timeout.")] = False,
                   fields: SetOption = None) -> None:
     """Change a catalog entry, e.g. `--on-demand --idle-timeout-s 600`, or any field with
     `--set FIELD=VALUE` (`--set base_model=llama-8b`, `--set 'engine_options={...}'`)."""
     body = _fields(fields)
     if pinned is not None:
         body["pinned"] = pinned
+    if idle_timeout_s is not None and default_idle_timeout:
+        raise typer.BadParameter("give --idle-timeout-s or --default-idle-timeout, not both")
     if idle_timeout_s is not None or default_idle_timeout:
         body["idle_timeout_s"] = idle_timeout_s
     _call("PATCH", f"/models/{name}", body)

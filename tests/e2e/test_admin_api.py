@@ -666,6 +666,8 @@ def test_the_cli_adds_models_on_demand_and_variants(astack, admin) -> None:
     out = astack.cli("admin", "models", "update", "cli-base", "--on-demand", "--idle-timeout-s", "900")
     assert out.returncode == 0, out.stderr
     assert (json.loads(out.stdout)["pinned"], json.loads(out.stdout)["idle_timeout_s"]) == (False, 900)
+    both = astack.cli("admin", "models", "update", "cli-base", "--idle-timeout-s", "60", "--default-idle-timeout")
+    assert both.returncode == 2 and "not both" in both.stderr
     out = astack.cli("admin", "models", "update", "cli-base", "--default-idle-timeout")
     assert out.returncode == 0 and json.loads(out.stdout)["idle_timeout_s"] is None, out.stderr
     assert admin.get("/models/cli-orphan").status_code == 404
