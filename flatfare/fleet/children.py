@@ -119,15 +119,18 @@ def log_name(model: str, n: int) -> str:
 
 
 def last_line(path: Path) -> str:
-    """The last non-empty line of a log (its message, for a JSON line), at most 200 characters."""
+    """Why a worker stopped, from the end of its log: the last line naming an error (the exception's
+    own line, not the traceback's tail), else the last line; a JSON line's message; at most 200
+    characters."""
     try:
         with path.open("rb") as handle:
             handle.seek(max(path.stat().st_size - 8192, 0))
-            lines = [ln for ln in handle.read().decode(errors="replace").splitlines() if ln.strip()]
+            lines = [ln.strip() for ln in handle.read().decode(errors="replace").splitlines() if ln.strip()]
     except OSError:
         return ""
     if not lines:
         return ""
-    line = lines[-1]
+    errors = [ln for ln in lines[-30:] if re.search(r"(Error|Exception)\b|^error:", ln)]
+    line = errors[-1] if errors else lines[-1]
     match = re.search(r'"message":\s*"((?:[^"\\]|\\.)*)"', line)
     return (match.group(1) if match else line)[-200:]
