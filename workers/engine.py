@@ -8,6 +8,7 @@ GPU build) and 0.32 (the CPU build); both are handled here and nowhere else.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import enum
 import importlib
@@ -15,7 +16,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,12 +135,33 @@ def check_gpus(options: dict[str, Any], visible: int | None = None) -> None:
                           "container's GPU reservation) or lower tensor_parallel_size")
 
 
+SLEEP_FLAG = "--enable-sleep-mode"
+# A LoRA variant's adapter, by its catalog name: where it is (a folder or hub id), or None if the
+# catalog has no such variant of this engine's model.
+VariantSource = Callable[[str], Awaitable[str | None]]
+
+
 class Engine:
-    """An ``AsyncLLM`` plus vLLM's OpenAI serving layer for one model."""
+    """An ``AsyncLLM`` plus vLLM's OpenAI serving layer for one model.
+
+    ``sleep_mode`` starts it with vLLM's sleep mode where the platform has one. ``variants`` finds the
+    adapter of a LoRA variant a request names that the engine has not loaded yet."""
 
     def __init__(self, argv: list[str], *, engine_metrics: bool = True,
-                 logging_config: dict[str, Any] | None = None) -> None:
+                 logging_config: dict[str, Any] | None = None, sleep_mode: bool = False,
+                 variants: VariantSource | None = None) -> None:
         self._argv = argv
+        self._sleep_mode = sleep_mode or SLEEP_FLAG in argv
+        self._variant_source = variants
+        # Why it cannot sleep ("" once started with sleep mode).
+        self.sleep_unavailable = "the engine has not started"
+        # LoRA variants loaded, by name -> adapter path; True once started with enable_lora.
+        self.variants: dict[str, str] = {}
+        self.lora_enabled = False
+        self._variant_lock = asyncio.Lock()
+        self._models: Any = None
+        self._load_request: Any = None
+        self._served: str = ""
         self._engine_metrics = engine_metrics
         self._logging_config = logging_config
         self._llm: Any = None
@@ -181,9 +203,19 @@ class Engine:
         # 0.32 splits request errors into VLLMClientError; 0.26's are ValueErrors.
         client_error = getattr(exceptions, "VLLMClientError", ValueError)
         self._client_errors = (client_error, ValueError, TypeError, NotImplementedError)
+        self._load_request = _first_attr([("vllm.entrypoints.serve.lora.protocol", "LoadLoRAAdapterRequest"),
+                                          ("vllm.entrypoints.openai.protocol", "LoadLoRAAdapterRequest")])
+        from vllm.platforms import current_platform
+
+        argv = [arg for arg in self._argv if arg != SLEEP_FLAG]
+        if self._sleep_mode and current_platform.is_sleep_mode_available():
+            argv.append(SLEEP_FLAG)
+        elif self._sleep_mode:  # vLLM would refuse to start: start without it, and refuse to sleep
+            log.warning("sleep mode asked for, but vLLM's %s build has none: the engine starts without it",
+                        current_platform.device_type)
         parser = make_arg_parser(FlexibleArgumentParser(prog="flatfare worker"))
         try:
-            args = parser.parse_args(without_unknown_newer_flags(self._argv, parser))
+            args = parser.parse_args(without_unknown_newer_flags(argv, parser))
         except SystemExit as exc:
             raise EngineError(f"vLLM refused the engine options {self._argv!r}") from exc
         # vLLM's Prometheus logger, alone: engine metrics (running/waiting requests, KV-cache use, tokens)
@@ -201,7 +233,17 @@ class Engine:
         await init_app_state(self._llm, state, args, await self._llm.get_supported_tasks())
         self._chat = state.openai_serving_chat
         self._completion = state.openai_serving_completion
+        self._models = state.openai_serving_models
         config = self._llm.vllm_config
+        self._served = _plain(config.model_config.served_model_name)
+        self.lora_enabled = config.lora_config is not None
+        if config.model_config.enable_sleep_mode:
+            self.sleep_unavailable = ""
+        elif self._sleep_mode:
+            self.sleep_unavailable = (f"vLLM's {current_platform.device_type} build has no sleep mode "
+                                      "(is_sleep_mode_available() is False)")
+        else:
+            self.sleep_unavailable = "the engine was started without sleep mode (FLATFARE_SLEEP_MODE=1)"
         self.max_model_len = int(config.model_config.max_model_len)
         self.max_num_seqs = int(config.scheduler_config.max_num_seqs)
         self.engine_config = effective_config(config, args, self._chat)
@@ -213,8 +255,51 @@ class Engine:
 
         getattr(envs, "enable_envs_cache", lambda: None)()
 
+    async def sleep(self, level: int) -> None:
+        """Free the accelerator's memory: level 1 keeps the weights in host RAM, level 2 drops them."""
+        await self._llm.sleep(level)
+
+    async def wake_up(self, level: int) -> None:
+        await self._llm.wake_up()
+        if level >= 2:  # the weights were dropped: read them again (vLLM's documented way after level 2)
+            await self._llm.collective_rpc("reload_weights")
+
+    async def load_variant(self, name: str, adapter: str) -> None:
+        """Serve the LoRA adapter at ``adapter`` (a folder or hub id) under the model name ``name``."""
+        if not self.lora_enabled:
+            raise EngineError(f"cannot serve the LoRA variant {name!r}: the engine of {self._served} was "
+                              "started without enable_lora (set it in the base model's engine options)")
+        result = await self._models.load_lora_adapter(self._load_request(lora_name=name, lora_path=adapter))
+        if type(result).__name__ == "ErrorResponse":
+            raise EngineError(f"vLLM could not load the adapter of {name!r} from {adapter}: {result.error.message}")
+        self.variants[name] = adapter
+        log.info("serving the LoRA variant %s (adapter %s)", name, adapter)
+
+    async def _ensure_variant(self, name: str) -> EngineResult | None:
+        """Load the variant a request names if the catalog has it and it is not loaded yet; an error
+        result when it cannot be loaded. A name the catalog does not know is left to vLLM (a 404)."""
+        async with self._variant_lock:  # requests for a new variant arriving together load it once
+            if name in self.variants:
+                return None
+            adapter = await self._variant_source(name) if self._variant_source is not None else None
+            if adapter is None:
+                return None
+            try:
+                await self.load_variant(name, adapter)
+            except EngineError as exc:
+                log.error("%s", exc)
+                return EngineResult(error_status=503, error=error_body(
+                    f"The model {name} cannot be served right now: {exc}", "server_error", "model",
+                    "model_unavailable"))
+        return None
+
     async def run(self, endpoint: Endpoint, body: dict[str, Any]) -> EngineResult:
         """Run one OpenAI request. Cancel the task iterating ``stream`` to abort it in the engine."""
+        name = body.get("model")
+        if isinstance(name, str) and name != self._served and name not in self.variants:
+            failed = await self._ensure_variant(name)
+            if failed is not None:
+                return failed
         request_cls, handler = (
             (self._chat_request, self._chat.create_chat_completion)
             if endpoint is Endpoint.CHAT

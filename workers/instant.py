@@ -1,7 +1,9 @@
 """A benchmark/test engine: answers every request at once with a fixed number of tokens, no model.
 
 It exists to measure what the platform itself costs (gateway, Redis, worker loop) with the engine's
-time taken out. Never serve it to customers: its answers are a fixed filler word.
+time taken out, and to test what drives engines (a fleet's sleep and wake commands) without a GPU: it
+sleeps and wakes like vLLM's sleep mode, taking as long as it is told to. Never serve it to customers:
+its answers are a fixed filler word.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 import orjson
 
 from flatfare.contract import Endpoint
-from flatfare.workers.engine import EngineResult
+from flatfare.workers.engine import EngineError, EngineResult
 
 FILLER = " token"
 
@@ -24,12 +26,18 @@ class InstantEngine:
     """Streams ``tokens`` chunks per request (``max_tokens`` lowers it), without any delay."""
 
     def __init__(self, tokens: int = 16, capacity: int = 1024, first_token_delay_s: float = 0.0,
-                 token_delay_s: float = 0.0, start_delay_s: float = 0.0) -> None:
+                 token_delay_s: float = 0.0, start_delay_s: float = 0.0, sleep_delay_s: float = 0.0,
+                 wake_delay_s: float = 0.0) -> None:
         self.tokens = tokens
         # Tests slow it down to catch a request or a worker in a given state.
         self.first_token_delay_s = first_token_delay_s
         self.token_delay_s = token_delay_s
         self.start_delay_s = start_delay_s
+        self.sleep_delay_s = sleep_delay_s
+        self.wake_delay_s = wake_delay_s
+        # It can always sleep, as a GPU engine started with sleep mode can.
+        self.sleep_unavailable = ""
+        self.asleep_level = 0
         self.max_model_len = 1 << 20
         self.max_num_seqs = capacity
         # What an operator sees of it in the log and the admin API, like a vLLM engine's effective config.
@@ -41,7 +49,17 @@ class InstantEngine:
         if self.start_delay_s:
             await asyncio.sleep(self.start_delay_s)
 
+    async def sleep(self, level: int) -> None:
+        await asyncio.sleep(self.sleep_delay_s)
+        self.asleep_level = level
+
+    async def wake_up(self, level: int) -> None:
+        await asyncio.sleep(self.wake_delay_s)
+        self.asleep_level = 0
+
     async def run(self, endpoint: Endpoint, body: dict[str, Any]) -> EngineResult:
+        if self.asleep_level:  # the worker loop claims nothing while asleep: fail loudly if it did
+            raise EngineError("the instant engine was asked to run a request while asleep")
         count = min(self.tokens, int(body.get("max_tokens") or body.get("max_completion_tokens") or self.tokens))
         prompt_tokens = 8
         model = body.get("model", "instant")

@@ -22,6 +22,7 @@ from flatfare import contract
 from flatfare.contract import Endpoint, Job, Lane, Reply, ReplyKind, Usage, WorkerInfo, WorkerState
 from flatfare.logs import bind, prompts_enabled
 from flatfare.workers.claims import Claimed, Claimer
+from flatfare.workers.commands import Commands, SleepingEngine
 from flatfare.workers.metrics import WorkerMetrics
 from flatfare.workers.presence import RETRY_S, Presence, listen_for_cancels, now_ms
 from flatfare.redis_conn import REDIS_DOWN, without_read_timeouts
@@ -32,7 +33,7 @@ log = logging.getLogger("flatfare.worker")
 _DONE = "data: [DONE]"
 
 
-class EngineLike(Protocol):
+class EngineLike(SleepingEngine, Protocol):
     max_model_len: int
     max_num_seqs: int
 
@@ -103,6 +104,12 @@ class WorkerLoop:
         self._handed_back: set[str] = set()
         self._slot_freed = asyncio.Event()
         self._stopping = asyncio.Event()
+        # Cleared while told to sleep (flatfare.workers.commands): no claims, no takeovers. The claim
+        # loop sets _parked once it has stopped claiming, so a pause knows no claim is still landing.
+        self._awake = asyncio.Event()
+        self._awake.set()
+        self._parked = asyncio.Event()
+        self.commands = Commands(redis, self, engine)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -115,7 +122,8 @@ class WorkerLoop:
         await self.presence.set_state(WorkerState.WARM)
         background = [asyncio.create_task(listen_for_cancels(self.redis, self._cancel), name="cancels"),
                       asyncio.create_task(self._renew_leases(), name="leases"),
-                      asyncio.create_task(self._take_over(), name="takeover")]
+                      asyncio.create_task(self._take_over(), name="takeover"),
+                      asyncio.create_task(self.commands.follow(), name="commands")]
         try:
             await self._claim_loop()
             await self.presence.set_state(WorkerState.DRAINING)
@@ -136,6 +144,19 @@ class WorkerLoop:
         """Stop taking work; what is held finishes within the drain timeout, the rest is handed back."""
         self._stopping.set()
         self._slot_freed.set()
+        self._awake.set()
+
+    async def pause(self) -> None:
+        """Stop claiming until :meth:`resume`; what is held finishes within the drain timeout, the rest
+        is handed back (another worker of the pool takes it over, or this one once awake)."""
+        self._parked.clear()
+        self._awake.clear()
+        self._slot_freed.set()
+        await self._parked.wait()
+        await self._drain()
+
+    def resume(self) -> None:
+        self._awake.set()
 
     def _refresh(self, info: WorkerInfo) -> None:
         info.inflight = len(self.inflight)
@@ -166,6 +187,10 @@ class WorkerLoop:
 
     async def _claim_loop(self) -> None:
         while not self._stopping.is_set():
+            if not self._awake.is_set():
+                self._parked.set()
+                await self._awake.wait()
+                continue
             if self.engine.errored:
                 raise RuntimeError("the engine died; exiting so the supervisor restarts this worker")
             free = self.info.capacity - len(self.inflight)
@@ -210,12 +235,14 @@ class WorkerLoop:
             return
         if self.metrics is not None:
             self.metrics.taken((batch.lane or job.lane).value, job.enqueued_ms)
+        self.info.last_used_ms = now_ms()  # its fleet puts the least recently used engine to sleep first
         self.entries[job.request_id] = (batch.stream, entry_id, job)
         task = asyncio.create_task(self._handle(batch.stream, entry_id, job, batch.reclaimed), name=job.request_id)
         self.inflight[job.request_id] = task
         task.add_done_callback(lambda _t, rid=job.request_id: self._finished(rid))
 
     def _finished(self, request_id: str) -> None:
+        self.info.last_used_ms = now_ms()
         self.inflight.pop(request_id, None)
         self.entries.pop(request_id, None)
         self._handed_back.discard(request_id)
@@ -257,7 +284,7 @@ class WorkerLoop:
         while True:
             await asyncio.sleep(self.lease_ms / 2000)
             free = max(self.info.capacity - len(self.inflight), max(self.info.capacity // 8, 1))
-            if self._stopping.is_set():
+            if self._stopping.is_set() or not self._awake.is_set():
                 continue
             try:
                 live = await self.presence.live_workers()

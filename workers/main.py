@@ -6,27 +6,35 @@ import asyncio
 import json
 import logging
 import signal
+import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
+import psutil
+import redis.asyncio as aioredis
 import uvloop
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
-from flatfare.contract import WorkerInfo, WorkerState, pool_name
+from flatfare import contract
+from flatfare.contract import ModelFacts, WorkerInfo, WorkerState, pool_name
 from flatfare.logs import configure_logging, dict_config
-from flatfare.redis_conn import connect
+from flatfare.redis_conn import REDIS_DOWN, connect
 from flatfare.storage.db import brief_sessions
 from flatfare.storage.models import CatalogModel
 from flatfare.workers.engine import Engine, EngineError, check_gpus, engine_argv
 from flatfare.workers.instant import InstantEngine
 from flatfare.workers.loop import EngineLike, WorkerLoop
+from flatfare.workers.phases import PREPARING, STARTING_ENGINE, StartProgress, with_phase_log
 from flatfare.workers.presence import Presence, now_ms
 from flatfare.workers.metrics import WorkerMetrics
 from flatfare.workers.prepare import resolve_source
 from flatfare.workers.settings import WorkerSettings
 from flatfare.workers.tokenizer import keep_published, publish_tokenizer, tokenizer_json
+from flatfare.workers.variants import Variants
 
 log = logging.getLogger("flatfare.worker")
 
@@ -72,13 +80,16 @@ async def load_spec(settings: WorkerSettings) -> ModelSpec:
     return ModelSpec(name=settings.model, source=source, options=options)
 
 
-async def build_engine(settings: WorkerSettings, progress: Callable[[str], None]) -> tuple[str, StartedEngine, str]:
+async def build_engine(settings: WorkerSettings, progress: Callable[[str], None],
+                       start: StartProgress) -> tuple[str, StartedEngine, str]:
     """The model's name, its started engine, and the folder or hub id it loaded ("" for the instant engine)."""
     if settings.engine == "instant":
         progress(f"BENCHMARK ENGINE: '{settings.model}' answers with {settings.instant_tokens} filler tokens")
         engine = InstantEngine(settings.instant_tokens, settings.max_inflight or 1024,
                                settings.instant_first_token_delay_s, settings.instant_token_delay_s,
-                               settings.instant_start_delay_s)
+                               settings.instant_start_delay_s, settings.instant_sleep_delay_s,
+                               settings.instant_wake_delay_s)
+        start.enter(STARTING_ENGINE)
         await engine.start()
         return settings.model, engine, ""
     spec = await load_spec(settings)
@@ -87,12 +98,46 @@ async def build_engine(settings: WorkerSettings, progress: Callable[[str], None]
     except EngineError as exc:
         raise WorkerError(str(exc)) from exc
     progress(f"preparing model {spec.name}")
+    start.enter(PREPARING)
     model_path = await asyncio.to_thread(resolve_source, spec.source, settings.models_dir, progress)
     progress(f"starting the engine for {spec.name}")
+    start.enter(STARTING_ENGINE)
+    logging_config = dict_config(settings.log_level, settings.log_format)
+    if start.phase_log is not None:
+        logging_config = with_phase_log(logging_config, start.phase_log)
+    variants = Variants(settings.resolved_database_url, spec.name, settings.models_dir) \
+        if spec.options.get("enable_lora") else None
     engine = Engine(engine_argv(model_path, spec.name, spec.options), engine_metrics=settings.engine_metrics,
-                    logging_config=dict_config(settings.log_level, settings.log_format))
+                    logging_config=logging_config, sleep_mode=settings.sleep_mode,
+                    variants=variants.adapter if variants is not None else None)
     await engine.start()
+    if variants is not None:
+        await load_variants(engine, variants, progress)
     return spec.name, engine, model_path
+
+
+async def load_variants(engine: Engine, variants: Variants, progress: Callable[[str], None]) -> None:
+    """Load the catalog's LoRA variants of the model; one that fails is logged and tried again when a
+    request names it, and the worker serves the rest."""
+    for name, adapter in (await variants.all()).items():
+        try:
+            await engine.load_variant(name, adapter)
+        except EngineError as exc:
+            log.error("%s", exc)
+        else:
+            progress(f"loaded the LoRA variant {name}")
+
+
+def _process_age_s() -> float:
+    """Seconds since this process started: a start's measure includes imports and preparing the model."""
+    return time.time() - psutil.Process().create_time()
+
+
+async def _expected_start_s(redis: aioredis.Redis, model: str) -> float:
+    try:
+        return ModelFacts.from_fields(await redis.hgetall(contract.model_facts_key(model))).start_s
+    except REDIS_DOWN:
+        return 0.0
 
 
 async def serve(settings: WorkerSettings, progress: Callable[[str], None] = log.info) -> None:
@@ -100,15 +145,23 @@ async def serve(settings: WorkerSettings, progress: Callable[[str], None] = log.
     # Announced as "starting" while the engine loads, so /v1/models can say so.
     info = WorkerInfo(worker_id=settings.worker_id, model=settings.model, max_model_len=0, capacity=0,
                       pool=pool_name(settings.model, settings.pool or None), started_ms=now_ms(),
-                      engine=settings.engine, state=WorkerState.STARTING)
+                      engine=settings.engine, state=WorkerState.STARTING, fleet=settings.fleet_id)
+    expected_s = await _expected_start_s(redis, settings.model)
+    if expected_s:
+        info.extra["expected_start_s"] = expected_s
     presence = Presence(redis, info)
+    with tempfile.TemporaryDirectory(prefix="flatfare-start-") as folder:
+        start = StartProgress(settings.redis_url, info, Path(folder) / "vllm.log")
+        start.start()
+        try:
+            model, engine, model_path = await build_engine(settings, progress, start)
+        except BaseException:
+            start.stop()
+            await presence.stop()
+            await redis.aclose()
+            raise
+        start.stop()
     presence.start()
-    try:
-        model, engine, model_path = await build_engine(settings, progress)
-    except BaseException:
-        await presence.stop()
-        await redis.aclose()
-        raise
     republish: asyncio.Task[None] | None = None
     if model_path:  # before it is warm: a gateway counting a long prompt for it finds the tokenizer there
         text = await asyncio.to_thread(tokenizer_json, model_path)
@@ -118,6 +171,14 @@ async def serve(settings: WorkerSettings, progress: Callable[[str], None] = log.
             republish = asyncio.create_task(keep_published(redis, model, text), name="tokenizer")
     capacity = settings.max_inflight or engine.max_num_seqs
     info.max_model_len, info.capacity = engine.max_model_len, capacity
+    info.extra["sleep_mode"] = not engine.sleep_unavailable
+    if engine.sleep_unavailable:
+        info.extra["sleep_unavailable"] = engine.sleep_unavailable
+    start_s = round(_process_age_s(), 3)
+    try:
+        await presence.record_facts(ModelFacts(max_model_len=engine.max_model_len, start_s=start_s))
+    except REDIS_DOWN:
+        log.warning("could not record the start time of %s", model)
     # One line and the heartbeat say what the engine really runs with, so an operator sees whether a
     # catalog option took effect (the admin API's model state shows each worker's).
     info.extra["engine_config"] = engine.engine_config

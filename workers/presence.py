@@ -7,11 +7,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import redis.asyncio as aioredis
 
 from flatfare import contract
-from flatfare.contract import WorkerInfo, WorkerState
+from flatfare.contract import ModelFacts, WorkerInfo, WorkerState
 from flatfare.redis_conn import REDIS_DOWN
 
 log = logging.getLogger("flatfare.worker")
@@ -22,6 +23,17 @@ RETRY_S = 0.5
 
 def now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def queue_beat(pipe: Any, info: WorkerInfo, now: int) -> None:
+    """One heartbeat's commands on a pipeline (asyncio or not: a starting worker beats from a thread,
+    :mod:`flatfare.workers.phases`)."""
+    pool = info.pool or info.model
+    pipe.hset(contract.worker_key(info.worker_id), mapping=info.to_fields())
+    pipe.expire(contract.worker_key(info.worker_id), int(contract.WORKER_TTL_S * 2))
+    pipe.zadd(contract.pool_key(pool), {info.worker_id: now})
+    pipe.zremrangebyscore(contract.pool_key(pool), "-inf", now - int(contract.WORKER_TTL_S * 4000))
+    pipe.sadd(contract.POOLS_KEY, pool)
 
 
 class Presence:
@@ -42,14 +54,14 @@ class Presence:
 
     async def beat_now(self) -> None:
         self.refresh(self.info)
-        now = now_ms()
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hset(contract.worker_key(self.info.worker_id), mapping=self.info.to_fields())
-            pipe.expire(contract.worker_key(self.info.worker_id), int(contract.WORKER_TTL_S * 2))
-            pipe.zadd(contract.pool_key(self.pool), {self.info.worker_id: now})
-            pipe.zremrangebyscore(contract.pool_key(self.pool), "-inf", now - int(contract.WORKER_TTL_S * 4000))
-            pipe.sadd(contract.POOLS_KEY, self.pool)
+            queue_beat(pipe, self.info, now_ms())
             await pipe.execute()
+
+    async def record_facts(self, facts: ModelFacts) -> None:
+        """What this start or wake took, for gateways and fleets to say how long a cold model takes
+        (only the fields measured: a wake leaves the start time as it was)."""
+        await self.redis.hset(contract.model_facts_key(self.info.model), mapping=facts.to_fields())
 
     async def set_state(self, state: WorkerState) -> None:
         self.info.state = state

@@ -29,6 +29,15 @@ class WorkerSettings(CommonSettings):
     instant_first_token_delay_s: float = 0.0
     instant_token_delay_s: float = 0.0
     instant_start_delay_s: float = 0.0
+    # Seconds the instant engine takes to sleep and to wake (a fleet's tests catch it in between).
+    instant_sleep_delay_s: float = 0.0
+    instant_wake_delay_s: float = 0.0
+    # The fleet supervisor that started this worker (`flatfare worker --fleet`): heartbeated, so only
+    # that fleet sends it commands. "" for a worker started on its own.
+    fleet_id: str = ""
+    # Start the engine with vLLM's sleep mode, so a fleet's sleep command frees its accelerator memory.
+    # Where the platform has none (vLLM's CPU build) the engine starts without it and refuses to sleep.
+    sleep_mode: bool = False
     worker_id: str = Field(default_factory=_default_worker_id)
     # Where the model comes from when the catalog has no entry for it (a folder or hub id).
     source: str = ""
