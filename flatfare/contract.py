@@ -261,6 +261,12 @@ def console_attempts_key(kind: str, subject: str) -> str:
     return f"{PREFIX}:console:attempts:{kind}:{subject}"
 
 
+def console_form_key(session_hash: str, nonce: str) -> str:
+    """A key-issuing console form already submitted (its one-time nonce, per session): a browser's
+    re-post on refresh finds it and issues no second key."""
+    return f"{PREFIX}:console:form:{session_hash}:{nonce}"
+
+
 def console_token_key(purpose: str, token_hash: str) -> str:
     """A one-time emailed token (``purpose`` "reset" or "verify") under its SHA-256: the user id."""
     return f"{PREFIX}:console:token:{purpose}:{token_hash}"

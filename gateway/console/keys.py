@@ -3,6 +3,7 @@ up with the customer's own account id in the query: another account's key id is 
 
 from __future__ import annotations
 
+import secrets
 from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
@@ -11,6 +12,7 @@ from fastapi.responses import RedirectResponse, Response
 from pydantic import ValidationError
 from sqlalchemy import select
 
+from flatfare import contract
 from flatfare.gateway.admin.schemas import KeyCreate
 from flatfare.gateway.console.deps import ConsoleCustomer, ConsoleForm, Customer
 from flatfare.gateway.console.models import plan_models
@@ -24,6 +26,9 @@ router = APIRouter(prefix="/console", include_in_schema=False)
 KeyId = Annotated[int, Path(ge=1, le=2**31 - 1)]
 PLAYGROUND_KEY_NAME = "Console playground"
 MAX_LISTED = 200
+# How long a key-issuing form's nonce is remembered as used: longer than anyone keeps a tab to refresh.
+FORM_NONCE_TTL_S = 86_400
+MAX_NONCE_LEN = 64
 
 
 async def _keys(request: Request, customer: Customer) -> list[ApiKey]:
@@ -39,12 +44,27 @@ async def _page(request: Request, customer: Customer, *, status_code: int = 200,
                                          "models": await plan_models(request, customer.account),
                                          "playground_name": PLAYGROUND_KEY_NAME,
                                          "grace_hours": request.app.state.settings.console_rotation_grace_s / 3600,
-                                         **context}, status_code=status_code)
+                                         "form_nonce": secrets.token_urlsafe(16), **context}, status_code=status_code)
+
+
+async def _first_submission(request: Request, customer: Customer, form: dict[str, str]) -> bool:
+    """False when this key-issuing form (its ``form_nonce``) was submitted before in this session: a
+    browser re-posting it on refresh, or a double click, must not issue a second key. A form without a
+    nonce (a script's own POST) is always a first submission."""
+    nonce = form.get("form_nonce", "")[:MAX_NONCE_LEN]
+    if not nonce:
+        return True
+    key = contract.console_form_key(customer.session.id_hash, nonce)
+    return bool(await request.app.state.redis.set(key, "1", nx=True, ex=FORM_NONCE_TTL_S))
+
+
+def _already_submitted() -> Response:
+    return RedirectResponse("/console/keys?resubmitted=1", status_code=303)
 
 
 @router.get("/keys")
 async def keys_page(request: Request, customer: ConsoleCustomer) -> Response:
-    return await _page(request, customer)
+    return await _page(request, customer, resubmitted=request.query_params.get("resubmitted") == "1")
 
 
 def _limits_from_form(form: dict[str, str], models: list[str]) -> KeyCreate:
@@ -78,6 +98,8 @@ async def create_key(request: Request, customer: ConsoleCustomer, form: ConsoleF
         limits = _limits_from_form(form, models)
     except ValueError as exc:
         return await _page(request, customer, error=str(exc), status_code=400)
+    if not await _first_submission(request, customer, form):
+        return _already_submitted()
     async with request.app.state.sessions() as db, db.begin():
         issued = await issue_key(db, customer.account, limits.name, KeyLimitsUpdate(
             expires_at=limits.expires_at, allowed_models=limits.allowed_models, daily_limit=limits.daily_limit,
@@ -107,6 +129,8 @@ async def revoke_key(request: Request, key_id: KeyId, customer: ConsoleCustomer,
 async def rotate_key(request: Request, key_id: KeyId, customer: ConsoleCustomer, form: ConsoleForm) -> Response:
     """A new key with the same name and limits; the old one keeps working for the grace period."""
     grace = timedelta(seconds=request.app.state.settings.console_rotation_grace_s)
+    if not await _first_submission(request, customer, form):
+        return _already_submitted()
     async with request.app.state.sessions() as db, db.begin():
         old = await _own_key(db, customer, key_id)
         original_expiry = old.expires_at  # the new key keeps it: rotating must not make a key immortal

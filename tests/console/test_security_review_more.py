@@ -3,6 +3,8 @@ the CSV export quotes formula-like text cells, and a reset link marks the email 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from flatfare.gateway.console.usage import spreadsheet_safe
@@ -58,3 +60,30 @@ def test_a_reset_link_marks_the_email_confirmed(stack: Stack, customer: ConsoleC
     finally:
         visitor.close()
 
+
+
+NONCE = re.compile(r'name="form_nonce" value="([^"]+)"')
+
+
+@pytest.mark.e2e
+def test_a_key_form_sent_twice_issues_one_key(stack: Stack, customer: ConsoleClient) -> None:
+    """A browser re-posts the create (or rotate) form on refresh, and a double click sends it twice: the
+    form's one-time nonce makes the second send a redirect that issues nothing."""
+    def keys() -> int:
+        return stack.sql("SELECT count(*) FROM api_keys WHERE account_id = (SELECT account_id FROM api_keys "
+                         "WHERE id = :k)", k=key_id)[0][0]
+
+    key_id, _ = customer.create_key("first")
+    page = customer.get("/console/keys").text
+    nonce = NONCE.search(page).group(1)
+    before = keys()
+    made = customer.post("/console/keys", {"name": "twice", "form_nonce": nonce})
+    assert made.status_code == 201 and keys() == before + 1
+    again = customer.post("/console/keys", {"name": "twice", "form_nonce": nonce})
+    assert again.status_code == 303 and again.headers["location"] == "/console/keys?resubmitted=1"
+    assert keys() == before + 1
+    assert "No second key was made" in customer.get(again.headers["location"]).text
+    nonce = NONCE.search(customer.get("/console/keys").text).group(1)
+    assert customer.post(f"/console/keys/{key_id}/rotate", {"form_nonce": nonce}).status_code == 201
+    assert customer.post(f"/console/keys/{key_id}/rotate", {"form_nonce": nonce}).status_code == 303
+    assert keys() == before + 2
