@@ -13,6 +13,7 @@ import typer
 
 from flatfare.cli.admin import app as admin_app
 from flatfare.cli.console_users import app as console_users_app
+from flatfare.cli.fleet import app as fleet_app
 from flatfare.settings import DEFAULT_MODEL, CommonSettings
 
 app = typer.Typer(help="Flatfare: an OpenAI-compatible LLM API with flat per-request pricing.",
@@ -23,6 +24,7 @@ billing_app = typer.Typer(help="Usage reporting to Stripe.", no_args_is_help=Tru
 app.add_typer(billing_app, name="billing")
 app.add_typer(admin_app, name="admin")
 app.add_typer(console_users_app, name="console-users")
+app.add_typer(fleet_app, name="fleet")
 
 
 def _fail(message: str) -> None:
@@ -33,13 +35,23 @@ def _fail(message: str) -> None:
 @app.command()
 def up(
     model: Annotated[list[str] | None, typer.Option(
-        help="A model to serve, one CPU worker each; repeat for more. Default: both built-in models.")] = None,
+        help="A model to serve; repeat for more. Default: both built-in models. The first starts at once.")] = None,
     port: Annotated[int, typer.Option(help="Gateway port on 127.0.0.1.")] = 8000,
+    on_demand: Annotated[bool, typer.Option(
+        "--on-demand", help="Keep no model up, the catalog's pinned one included: each starts at its first "
+        "request and stops when idle (the first model still starts at once).")] = False,
+    max_awake: Annotated[int | None, typer.Option(
+        min=1, help="Engines running at once. Default: one per model served; with --on-demand, 1 up to 4 "
+        "cores, else 2.")] = None,
+    idle_timeout: Annotated[float | None, typer.Option(
+        min=1, help="Seconds an on-demand model's engine may sit idle before it stops (default 300).")] = None,
 ) -> None:
-    """Start the whole platform locally: Redis, migrations, a CPU worker per model and the gateway."""
-    from flatfare.cli.up import run_up
+    """Start the whole platform locally: Redis, migrations, a fleet supervisor that starts the models'
+    CPU workers (the first at once, the others at their first request) and the gateway."""
+    from flatfare.cli.up import UpOptions, run_up
 
-    sys.exit(run_up(models=model, port=port))
+    sys.exit(run_up(UpOptions(models=model, port=port, on_demand=on_demand, max_awake=max_awake,
+                              idle_timeout_s=idle_timeout)))
 
 
 @app.command()
@@ -121,8 +133,6 @@ def worker(
     engine: Annotated[str | None, typer.Option(
         help="'vllm', or 'instant': a benchmark/test engine answering at once with no model.")] = None,
     pool: Annotated[str | None, typer.Option(help="A dedicated pool (an enterprise account's) to serve.")] = None,
-    fleet: Annotated[str | None, typer.Option(
-        help="The fleet supervisor starting this worker (FLATFARE_FLEET_ID), named in its heartbeat.")] = None,
 ) -> None:
     """Run one worker: an embedded vLLM engine serving one model's pool."""
     import os
@@ -147,8 +157,6 @@ def worker(
         overrides["engine"] = engine
     if pool:
         overrides["pool"] = pool
-    if fleet:
-        overrides["fleet_id"] = fleet
     try:
         main(WorkerSettings(**overrides))
     except WorkerError as exc:

