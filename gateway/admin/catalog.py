@@ -62,8 +62,12 @@ async def delete_plan(request: Request, name: str, admin: AdminWriter) -> Respon
 # -- models ------------------------------------------------------------------------------------
 
 async def _public(request: Request, model: CatalogModel) -> ModelPublic:
-    # A LoRA variant is served by its base model's pool.
-    return ModelPublic.of(model, await request.app.state.pools.live_workers(model.base_model or model.name))
+    # A LoRA variant is served by its base model's pool, with the base's engines.
+    base = None
+    if model.base_model:
+        async with request.app.state.sessions() as session:
+            base = await session.get(CatalogModel, model.base_model)
+    return ModelPublic.of(model, await request.app.state.pools.live_workers(model.base_model or model.name), base)
 
 
 @router.get("/models", response_model=Page[ModelPublic])

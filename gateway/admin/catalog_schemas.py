@@ -98,11 +98,12 @@ class ModelPublic(_Out):
     workers: list[WorkerPublic] = Field(default_factory=list)
 
     @classmethod
-    def of(cls, model: Any, workers: Sequence[Any]) -> ModelPublic:
+    def of(cls, model: Any, workers: Sequence[Any], base: Any = None) -> ModelPublic:
+        """``base``: a variant's base model, whose engines (and so capabilities) serve it."""
         options = dict(model.engine_options or {})
         return cls.model_validate(model).model_copy(update={
             "engine_options": {k: v for k, v in options.items() if k != TRUST_REMOTE_CODE},
             "trust_remote_code": bool(options.get(TRUST_REMOTE_CODE)),
-            "capabilities": capabilities_of(options).public(),
+            "capabilities": capabilities_of(base.engine_options or {} if base is not None else options).public(),
             "live_workers": len(workers),
             "workers": [WorkerPublic.of(w) for w in workers]})

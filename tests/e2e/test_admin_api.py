@@ -609,7 +609,7 @@ def test_an_idle_timeout_is_set_shown_cleared_and_bounded(admin) -> None:
 
 
 def test_a_variants_base_must_exist_be_enabled_be_no_variant_and_serve_adapters(admin) -> None:
-    lora = {"enable_lora": True, "max_lora_rank": 16, "max_loras": 2}
+    lora = {"enable_lora": True, "max_lora_rank": 16, "max_loras": 2, "tool_call_parser": "hermes"}
     base = admin.post("/models", json={"name": "lora-base", "source": "instant", "engine_options": lora})
     assert base.status_code == 201, base.text
     assert admin.post("/models", json={"name": "plain-base", "source": "instant"}).status_code == 201
@@ -617,7 +617,9 @@ def test_a_variants_base_must_exist_be_enabled_be_no_variant_and_serve_adapters(
                                        "enabled": False}).status_code == 201
     variant = admin.post("/models", json={"name": "lora-v1", "source": "/adapters/v1", "base_model": "lora-base"})
     assert variant.status_code == 201, variant.text
-    assert admin.get("/models/lora-v1").json()["base_model"] == "lora-base"
+    shown = admin.get("/models/lora-v1").json()
+    # It offers what its base's engines do (its own engine options are not used).
+    assert (shown["base_model"], shown["engine_options"], shown["capabilities"]["tools"]) == ("lora-base", {}, True)
     for name, base, words in (("v-missing", "no-such-base", ("no-such-base", "not in the catalog")),
                               ("v-chain", "lora-v1", ("lora-v1", "itself a variant of 'lora-base'")),
                               ("v-plain", "plain-base", ("plain-base", "enable_lora")),
