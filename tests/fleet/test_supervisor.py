@@ -200,7 +200,10 @@ def test_a_failing_start_is_retried_with_backoff_and_says_why(stack: Stack) -> N
             stack.sql("UPDATE models SET pinned = false WHERE name = 'm3'")
 
 
-def test_fleet_status_prints_the_engines_and_decisions(stack: Stack) -> None:
+def test_fleet_status_and_the_admin_api_show_the_engines_and_decisions(stack: Stack) -> None:
+    token = stack.cli("admin", "bootstrap", "--name", "fleet-test")
+    assert token.returncode == 0, token.stderr
+    admin = {"Authorization": f"Bearer {token.stdout.strip()}"}
     with fleet(stack, "--model", "m2", "--preload", "m2", "--gpus", "cpu"):
         eventually(lambda: status(stack), lambda s: any(e["state"] == "warm" for e in s.engines.values()),
                    "the preloaded model warm", timeout_s=UP_WITHIN_S)
@@ -208,5 +211,12 @@ def test_fleet_status_prints_the_engines_and_decisions(stack: Stack) -> None:
         assert shown.returncode == 0, shown.stderr
         assert f"fleet {FLEET} on" in shown.stdout and "cpu slots cpu" in shown.stdout
         assert "m2" in shown.stdout and "warm" in shown.stdout and "start m2" in shown.stdout
+        page = httpx.get(f"{stack.base_url}/admin/v1/fleets", headers=admin, timeout=10)
+        assert page.status_code == 200, page.text
+        [listed] = page.json()["data"]
+        assert (listed["fleet_id"], listed["models"], listed["accelerator"]) == (FLEET, ["m2"], "cpu")
+        assert [e["state"] for e in listed["engines"].values()] == ["warm"]
+        assert listed["decisions"][0]["action"] == "start" and listed["decisions"][0]["model"] == "m2"
+        assert httpx.get(f"{stack.base_url}/admin/v1/fleets", timeout=10).status_code == 401
     assert "no fleet is running" in stack.cli("fleet", "status").stdout
-
+    assert httpx.get(f"{stack.base_url}/admin/v1/fleets", headers=admin, timeout=10).json()["data"] == []
