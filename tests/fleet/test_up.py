@@ -1,0 +1,34 @@
+"""What `flatfare up` asks of its fleet, and what it says while the first model starts."""
+
+from __future__ import annotations
+
+from flatfare.cli.up import FIRST_START, UpOptions, progress
+from flatfare.contract import FleetStatus
+
+NOW = 1_000_000_000
+
+
+def test_up_pins_what_the_catalog_pins_with_room_for_every_model_unless_on_demand() -> None:
+    models = ["smollm2-135m-instruct", "gemma3-270m"]
+    assert UpOptions().fleet_args(models) == ["--model", models[0], "--model", models[1], "--preload", models[0],
+                                              "--max-awake", "2"]
+    # On demand, the fleet's own default budget (by cores) unless told; the first model still starts at once.
+    assert UpOptions(on_demand=True).fleet_args(models) == ["--model", models[0], "--model", models[1],
+                                                            "--preload", models[0], "--on-demand"]
+    assert UpOptions(on_demand=True, max_awake=1, idle_timeout_s=60).fleet_args(models[:1]) == \
+        ["--model", models[0], "--preload", models[0], "--max-awake", "1", "--on-demand", "--idle-timeout", "60"]
+
+
+def _fleet(**engine: object) -> FleetStatus:
+    return FleetStatus("local", "host", engines={"w1": {"model": "m", "state": "starting", **engine}})
+
+
+def test_progress_says_what_the_engine_does_how_long_it_took_and_should_take() -> None:
+    assert progress(None, "m", 0.0, NOW) == "waiting for the fleet to start m"
+    assert progress(_fleet(model="other"), "m", 0.0, NOW) == "waiting for the fleet to start m"
+    first = progress(_fleet(started_ms=NOW - 42_000, phase="compiling for the CPU"), "m", 0.0, NOW)
+    assert first == f"starting m: compiling for the CPU (42 s; {FIRST_START})"
+    again = progress(_fleet(started_ms=NOW - 5_000, phase="loading weights"), "m", 51.4, NOW)
+    assert again == "starting m: loading weights (5 s; the last start took 51 s)"
+    # No phase heartbeated yet: its state.
+    assert progress(_fleet(started_ms=NOW), "m", 0.0, NOW).startswith("starting m: starting (0 s;")
