@@ -133,6 +133,8 @@ def worker(
     engine: Annotated[str | None, typer.Option(
         help="'vllm', or 'instant': a benchmark/test engine answering at once with no model.")] = None,
     pool: Annotated[str | None, typer.Option(help="A dedicated pool (an enterprise account's) to serve.")] = None,
+    fleet: Annotated[str | None, typer.Option(
+        help="The fleet supervisor starting this worker (FLATFARE_FLEET_ID), named in its heartbeat.")] = None,
 ) -> None:
     """Run one worker: an embedded vLLM engine serving one model's pool."""
     import os
@@ -157,6 +159,8 @@ def worker(
         overrides["engine"] = engine
     if pool:
         overrides["pool"] = pool
+    if fleet:
+        overrides["fleet_id"] = fleet
     try:
         main(WorkerSettings(**overrides))
     except WorkerError as exc:
