@@ -37,6 +37,9 @@ READY_TIMEOUT_S = 900
 FLEET_ID = "local"
 # The fleet waits this long for its workers to drain (FLATFARE_FLEET_STOP_TIMEOUT_S): give it more.
 FLEET_STOP_TIMEOUT_S = 90.0
+# The first model's worker failing this many times in a row ends `flatfare up` (its error printed)
+# rather than leaving the person waiting for the ready timeout.
+GIVE_UP_AFTER_CRASHES = 3
 # Said while a model starts for the first time on this machine (no start measured yet).
 FIRST_START = "the first start compiles the model for the CPU: 3 to 5 minutes"
 # The models `flatfare up` serves unless told otherwise: the built-in ones (workers/prepare.py).
@@ -127,6 +130,12 @@ def progress(fleet: contract.FleetStatus | None, model: str, last_start_s: float
     expected = f"the last start took {last_start_s:.0f} s" if last_start_s else FIRST_START
     doing = engine.get("phase") or engine["state"]
     return f"starting {model}: {doing} ({elapsed:.0f} s; {expected})"
+
+
+def gave_up(fleet: contract.FleetStatus | None, model: str) -> str:
+    """Why the model's worker keeps failing, once it failed GIVE_UP_AFTER_CRASHES times ("" before)."""
+    crashes = [d for d in (fleet.decisions if fleet else []) if d["action"] == "crashed" and d["model"] == model]
+    return crashes[-1]["why"] if len(crashes) >= GIVE_UP_AFTER_CRASHES else ""
 
 
 def _news(fleet: contract.FleetStatus | None, seen_ms: int) -> tuple[list[str], int]:
@@ -243,6 +252,11 @@ def run_up(options: UpOptions) -> int:
                     break
                 if time.monotonic() > deadline:
                     console.print(f"[red]not ready after {READY_TIMEOUT_S} s[/]; logs in {logs}")
+                    return 1
+                failing = gave_up(fleet, first)
+                if failing:
+                    console.print(f"[red]the {first} worker failed to start {GIVE_UP_AFTER_CRASHES} times[/]: "
+                                  f"{failing}", soft_wrap=True, highlight=False)
                     return 1
                 if fleet is not None and first in fleet.waiting:
                     status.update(f"{first}: {fleet.waiting[first]}")

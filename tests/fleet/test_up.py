@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flatfare.cli.up import FIRST_START, UpOptions, progress
+from flatfare.cli.up import FIRST_START, GIVE_UP_AFTER_CRASHES, UpOptions, gave_up, progress
 from flatfare.contract import FleetStatus
 
 NOW = 1_000_000_000
@@ -32,3 +32,14 @@ def test_progress_says_what_the_engine_does_how_long_it_took_and_should_take() -
     assert again == "starting m: loading weights (5 s; the last start took 51 s)"
     # No phase heartbeated yet: its state.
     assert progress(_fleet(started_ms=NOW), "m", 0.0, NOW).startswith("starting m: starting (0 s;")
+
+
+def test_up_gives_up_on_a_first_model_that_keeps_failing_and_says_why() -> None:
+    def crashed(n: int, model: str = "m") -> FleetStatus:
+        return FleetStatus("local", "host", decisions=[
+            {"t": i, "action": "crashed", "model": model, "worker_id": f"w{i}", "why": f"error {i}"} for i in range(n)])
+
+    assert gave_up(None, "m") == ""
+    assert gave_up(crashed(GIVE_UP_AFTER_CRASHES - 1), "m") == ""
+    assert gave_up(crashed(GIVE_UP_AFTER_CRASHES, model="other"), "m") == ""
+    assert gave_up(crashed(GIVE_UP_AFTER_CRASHES), "m") == f"error {GIVE_UP_AFTER_CRASHES - 1}"
