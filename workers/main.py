@@ -75,6 +75,9 @@ async def load_spec(settings: WorkerSettings) -> ModelSpec:
         raise WorkerError(f"model {settings.model!r} is not in the catalog; add it or pass --source")
     if entry is not None and not entry.enabled:
         raise WorkerError(f"model {settings.model!r} is disabled in the catalog")
+    if entry is not None and entry.base_model:
+        raise WorkerError(f"model {settings.model!r} is a LoRA variant of {entry.base_model!r}: the workers of "
+                          f"{entry.base_model!r} serve it; start one of those")
     source = settings.source or entry.source
     options = {**_BASE_OPTIONS, **(entry.engine_options if entry else {}), **settings.engine_options}
     return ModelSpec(name=settings.model, source=source, options=options)

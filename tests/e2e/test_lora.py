@@ -3,7 +3,8 @@ PunicaWrapperCPU): catalog entries whose base_model is SmolLM2 are served by Smo
 their own names. Adapters of SmolLM2-135M's real shape (r=8 on q_proj and v_proj, random weights) are
 written by the test: at temperature 0 a variant with a nonzero lora_B answers differently from the base
 model, one whose lora_B is zero answers exactly as the base; a variant added to the catalog after the
-worker started is loaded when a request first names it; a disabled one is not served."""
+worker started is loaded when a request first names it; a disabled one is not served; one whose adapter
+the engine refuses (a rank over max_lora_rank) fails its request with 503 and the worker serves on."""
 
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ def lora_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Real
     write_adapter(adapters / "random", seed=1)
     write_adapter(adapters / "zero", seed=2, zero_b=True)
     write_adapter(adapters / "late", seed=3)
+    write_adapter(adapters / "wide", seed=4, rank=16)  # over the engine's max_lora_rank
     urls: list[str] = []
 
     def variants(database_url: str) -> None:
@@ -106,3 +108,13 @@ def test_a_disabled_or_unknown_variant_is_not_served(lora_worker) -> None:
         reply = worker.ask({"model": name, "messages": QUESTION, "max_tokens": 4})
         assert (reply.kind, reply.status) == (ReplyKind.ERROR, 404), reply.data
         assert name in json.loads(reply.data)["error"]["message"]
+
+
+def test_an_adapter_the_engine_refuses_fails_the_request_cleanly(lora_worker) -> None:
+    worker, database_url, adapters = lora_worker
+    add_variant(database_url, "smol-wide", adapters / "wide")
+    reply = worker.ask({"model": "smol-wide", "messages": QUESTION, "max_tokens": 4})
+    assert (reply.kind, reply.status) == (ReplyKind.ERROR, 503), reply.data
+    error = json.loads(reply.data)["error"]
+    assert error["code"] == "model_unavailable" and "smol-wide" in error["message"]
+    assert "Paris" in answer(worker, MODEL)  # the worker serves on

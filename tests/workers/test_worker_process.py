@@ -1,6 +1,7 @@
 """`flatfare worker --fleet F` as its fleet supervisor runs it (instant engine, real redis-server): while
 it starts it heartbeats ``starting`` with the phase it is in; warm, it names its fleet, records the
-model's start time and context length, and a STOP command makes it drain and exit 0."""
+model's start time and context length, and a STOP command makes it drain and exit 0. A worker asked to
+serve a LoRA variant as a model of its own refuses, naming the base whose workers serve it."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ import subprocess
 import sys
 import time
 
+import pytest
 import redis as redis_sync
 
 from flatfare import contract
 from flatfare.contract import Command, CommandKind, ModelFacts, WorkerInfo, WorkerState
+from flatfare.storage.models import CatalogModel
+from flatfare.workers.main import WorkerError, load_spec
+from flatfare.workers.settings import WorkerSettings
 from tests.conftest import eventually
 
 MODEL = "fleet-instant"
@@ -53,3 +58,11 @@ def test_a_fleet_worker_says_its_phase_records_its_start_and_exits_0_on_stop(red
             worker.kill()
             worker.wait()
         client.close()
+
+
+async def test_a_worker_refuses_to_serve_a_lora_variant_as_a_model(database_url: str, sessions) -> None:
+    async with sessions() as session, session.begin():
+        session.add(CatalogModel(name="smol-support", source="/adapters/support", engine_options={},
+                                 base_model="smollm2-135m-instruct"))
+    with pytest.raises(WorkerError, match="LoRA variant of 'smollm2-135m-instruct'"):
+        await load_spec(WorkerSettings(model="smol-support", database_url=database_url, redis_url="redis://unused"))
