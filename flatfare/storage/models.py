@@ -289,3 +289,31 @@ class AuditEntry(Base):
     resource_id: Mapped[str] = mapped_column(String(128))
     before: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     after: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+
+class StoredFile(Base):
+    """A file of the Files API (``/v1/files``): its metadata here, its bytes in the gateway's file store
+    under ``{account_id}/{id}``. Owned by one account; past ``expires_at`` it is gone for its owner and
+    the gateway's sweeper deletes it."""
+
+    __tablename__ = "files"
+    __table_args__ = (Index("ix_files_account_created", "account_id", "created_at", "id"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    account_id: Mapped[int] = mapped_column(ForeignKey("accounts.id"))
+    filename: Mapped[str] = mapped_column(String(255))
+    purpose: Mapped[str] = mapped_column(String(32))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), index=True)
+
+
+class FileUsage(Base):
+    """What an account keeps in the Files API, changed in the same transaction as its ``files`` rows, so
+    one conditional UPDATE holds both caps exactly across gateway processes."""
+
+    __tablename__ = "file_usage"
+
+    account_id: Mapped[int] = mapped_column(ForeignKey("accounts.id"), primary_key=True)
+    files: Mapped[int] = mapped_column(Integer, default=0)
+    bytes: Mapped[int] = mapped_column(BigInteger, default=0)
