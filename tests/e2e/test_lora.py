@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from flatfare.contract import ReplyKind
+from flatfare.workers.prepare import resolve_source
 from tests.conftest import MODELS_DIR
 from tests.e2e.real_worker import MODEL, RealWorker, real_worker, sql
 
@@ -30,7 +31,9 @@ def write_adapter(folder: Path, *, seed: int, zero_b: bool = False, rank: int = 
     import torch
     from safetensors.torch import save_file
 
-    config = json.loads((MODELS_DIR / MODEL / "config.json").read_text())
+    # Prepared here if no worker prepared it yet (the worker then finds it ready).
+    model = Path(resolve_source(f"builtin:{MODEL}", MODELS_DIR))
+    config = json.loads((model / "config.json").read_text())
     hidden, head_dim = config["hidden_size"], config["head_dim"]
     outputs = {"q_proj": config["num_attention_heads"] * head_dim, "v_proj": config["num_key_value_heads"] * head_dim}
     generator = torch.Generator().manual_seed(seed)
