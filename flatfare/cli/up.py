@@ -253,6 +253,11 @@ def run_up(options: UpOptions) -> int:
                 if time.monotonic() > deadline:
                     console.print(f"[red]not ready after {READY_TIMEOUT_S} s[/]; logs in {logs}")
                     return 1
+                unserved = [m for m in models if fleet is not None and m not in fleet.models]
+                if unserved:
+                    console.print(f"[red]not served[/]: {', '.join(unserved)}: not an enabled model of the catalog "
+                                  "(`flatfare admin models list` shows it)", soft_wrap=True, highlight=False)
+                    return 1
                 failing = gave_up(fleet, first)
                 if failing:
                     console.print(f"[red]the {first} worker failed to start {GIVE_UP_AFTER_CRASHES} times[/]: "
