@@ -99,8 +99,9 @@ class Child:
 
 def spawn(worker_id: str, model: str, fleet_id: str, slots: tuple[str, ...], gpu: bool, log_path: Path,
           now_ms: int) -> Child:
-    """``python -m flatfare worker --model M`` for this fleet, on ``slots``, logging to ``log_path``."""
-    env = {**os.environ, "FLATFARE_WORKER_ID": worker_id, "FLATFARE_FLEET_ID": fleet_id}
+    """``python -m flatfare worker --model M --fleet F`` on ``slots``, logging to ``log_path``."""
+    # Its id is the fleet's choice, so the fleet reads its heartbeat and sends it commands from the start.
+    env = {**os.environ, "FLATFARE_WORKER_ID": worker_id}
     if gpu:
         # The worker sees only its own GPUs, and starts its engine ready to sleep.
         env["CUDA_VISIBLE_DEVICES"] = ",".join(slots)
@@ -109,8 +110,8 @@ def spawn(worker_id: str, model: str, fleet_id: str, slots: tuple[str, ...], gpu
     with log_path.open("ab") as log:
         # A session of its own: a Ctrl-C meant for the fleet reaches it only through the fleet, which
         # lets it drain.
-        process = subprocess.Popen([sys.executable, "-m", "flatfare", "worker", "--model", model], env=env,
-                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen([sys.executable, "-m", "flatfare", "worker", "--model", model, "--fleet", fleet_id],
+                                   env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return Child(worker_id, model, slots, process, log_path, now_ms)
 
 

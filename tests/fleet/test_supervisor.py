@@ -171,6 +171,9 @@ def test_on_a_gpu_host_idle_engines_sleep_and_are_woken_not_started_again(stack:
         assert ask(stack, "m1").status_code == 200
         assert ask(stack, "m2").status_code == 200
         [m1] = [w for w, e in status(stack).engines.items() if e["model"] == "m1"]
+        # Its heartbeat names the fleet that started it: only that fleet commands it.
+        heartbeat = redis_sync.Redis.from_url(stack.redis_url).hgetall(contract.worker_key(m1))
+        assert contract.WorkerInfo.from_fields(heartbeat).fleet == FLEET
         slept = eventually(lambda: status(stack), lambda s: s.engines[m1]["state"] == "asleep", "m1 asleep")
         assert slept.engines[m1]["sleep_level"] == 1 and slept.engines[m1]["slots"] == ["0"]
         answer = ask(stack, "m1")
