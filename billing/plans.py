@@ -29,6 +29,8 @@ class PlanRules:
     max_prompt_tokens: int | None = None
     # Requests an account may have queued or running at once; None: no cap.
     max_inflight: int | None = None
+    # Inputs one embeddings request may carry (each is one sequence the engine pools).
+    max_embedding_inputs: int = 32
 
     @classmethod
     def from_row(cls, plan: Plan) -> PlanRules:
@@ -37,7 +39,7 @@ class PlanRules:
             lane=Lane(plan.lane), allowed_models=frozenset(plan.allowed_models) if plan.allowed_models is not None
             else None, max_output_tokens=plan.max_output_tokens, max_n=plan.max_n,
             max_body_bytes=plan.max_body_bytes, timezone=plan.timezone, max_prompt_tokens=plan.max_prompt_tokens,
-            max_inflight=plan.max_inflight,
+            max_inflight=plan.max_inflight, max_embedding_inputs=plan.max_embedding_inputs,
         )
 
     def allows_model(self, model: str) -> bool:

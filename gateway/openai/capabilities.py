@@ -11,18 +11,29 @@ from __future__ import annotations
 
 from flatfare.gateway.errors import APIError
 from flatfare.gateway.openai.media import media_refs
-from flatfare.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
+from flatfare.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from flatfare.gateway.pools import CatalogEntry
 
 CODE = "unsupported_capability"
 _MEDIA = {"image": "image input (vision)", "audio": "audio input", "video": "video input"}
 
 
-def check_capabilities(parsed: ChatCompletionRequest | CompletionRequest, entry: CatalogEntry | None) -> None:
-    """Raise the client's 400 naming the capability and the model, or return."""
-    if entry is None or not isinstance(parsed, ChatCompletionRequest):
+def check_capabilities(parsed: ChatCompletionRequest | CompletionRequest | EmbeddingRequest,
+                       entry: CatalogEntry | None, embeds: bool = False) -> None:
+    """Raise the client's 400 naming the capability and the model, or return. ``embeds``: the request's
+    kind is served by embedding models only (see :mod:`flatfare.gateway.openai.kinds`)."""
+    if entry is None:
         return
     capabilities, model = entry.capabilities, parsed.model
+    if embeds and not capabilities.embeddings:
+        raise _lacks(model, "embeddings (it is not an embedding model)", "model",
+                     "use a model whose capabilities include embeddings (GET /v1/models)")
+    if not embeds and capabilities.embeddings:
+        raise APIError(400, f"The model '{model}' is an embedding model: it serves POST /v1/embeddings only and "
+                       "generates no text; use a model whose capability embeddings is false (GET /v1/models) for "
+                       "chat and completions.", param="model", code=CODE)
+    if not isinstance(parsed, ChatCompletionRequest):
+        return
     if parsed.tools and parsed.tool_choice != "none":
         if not capabilities.tools:
             raise _lacks(model, "function calling (tools)", "tools",

@@ -1,53 +1,37 @@
-"""What a completion request must satisfy before anything is counted, queued or written: its body,
-the plan's caps, the model's context, and the two headers the platform reads. Plain functions, testable
-without HTTP, Redis or a database; each raises the client's :class:`~flatfare.gateway.errors.APIError`."""
+"""What a request must satisfy before anything is counted, queued or written: the plan's caps, the
+model's context, and the two headers the platform reads (its body is parsed by its kind's wire model,
+:mod:`flatfare.gateway.openai.kinds`). Plain functions, testable without HTTP, Redis or a database; each
+raises the client's :class:`~flatfare.gateway.errors.APIError`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-import orjson
-from pydantic import ValidationError
-
-from flatfare.billing.plans import AccountTerms
-from flatfare.contract import Endpoint
+from flatfare.billing.plans import AccountTerms, PlanRules
 from flatfare.storage.models import RequestRecord
 from flatfare.gateway.auth import KeyLimits
-from flatfare.gateway.errors import APIError, invalid, validation_error
+from flatfare.gateway.errors import APIError, invalid
 from flatfare.gateway.pools import Pool
-from flatfare.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
+from flatfare.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
-_MODELS = {Endpoint.CHAT: ChatCompletionRequest, Endpoint.COMPLETION: CompletionRequest}
 IDEMPOTENCY_WINDOW_S = 24 * 3600
 MAX_IDEMPOTENCY_KEY = 255
 
 
-def parse_body(endpoint: Endpoint, raw: bytes) -> tuple[dict[str, Any], ChatCompletionRequest | CompletionRequest]:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise APIError(400, "We could not parse the JSON body of your request. Send a JSON object "
-                       "with 'Content-Type: application/json'.", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise invalid("The request body must be a JSON object.", code="invalid_json")
-    try:
-        parsed = _MODELS[endpoint].model_validate(body)
-    except ValidationError as exc:
-        raise validation_error(list(exc.errors()), body) from None
-    return body, parsed
-
-
 def check_fits(parsed: ChatCompletionRequest | CompletionRequest, pool: Pool) -> None:
     wanted = parsed.output_tokens()
-    if wanted is not None and pool.max_model_len is not None and wanted > pool.max_model_len:
+    if wanted is not None and wanted > pool.max_model_len:
         param = "max_completion_tokens" if getattr(parsed, "max_completion_tokens", None) else "max_tokens"
         raise invalid(f"{param} is too large: {wanted}. The model '{pool.model}' supports at most "
                       f"{pool.max_model_len} tokens of context.", param=param)
 
 
-def check_caps(parsed: ChatCompletionRequest | CompletionRequest, terms: AccountTerms, body_bytes: int) -> None:
-    """The plan's per-request caps, checked before any quota unit is counted."""
+def check_caps(parsed: Any, terms: AccountTerms, body_bytes: int,
+               work: Callable[[Any, PlanRules], None] | None = None) -> None:
+    """The plan's per-request caps, checked before any quota unit is counted: body size, model, and the
+    request's work as its kind bounds it (``work``, by default a generation's)."""
     plan = terms.plan
     if body_bytes > plan.max_body_bytes:
         raise APIError(413, f"The request body is larger than the {plan.name} plan's limit of "
@@ -55,6 +39,11 @@ def check_caps(parsed: ChatCompletionRequest | CompletionRequest, terms: Account
     if not plan.allows_model(parsed.model):
         raise APIError(403, f"The {plan.name} plan does not include the model '{parsed.model}'.",
                        param="model", code="model_not_allowed")
+    (work or check_generation_caps)(parsed, plan)
+
+
+def check_generation_caps(parsed: ChatCompletionRequest | CompletionRequest, plan: PlanRules) -> None:
+    """A generation's work: sequences (prompts x n, x best_of when larger) and output tokens."""
     if (sequences := parsed.sequences()) > plan.max_n:
         raise invalid(_too_many_sequences(parsed, sequences, plan.name, plan.max_n),
                       param="prompt" if parsed.prompts() > 1 else ("best_of" if (parsed.best_of or 1) > (parsed.n or 1)
@@ -67,7 +56,7 @@ def check_caps(parsed: ChatCompletionRequest | CompletionRequest, terms: Account
                       "output tokens per request.", param=param)
 
 
-def check_key_allows(parsed: ChatCompletionRequest | CompletionRequest, key: KeyLimits) -> None:
+def check_key_allows(parsed: ChatCompletionRequest | CompletionRequest | EmbeddingRequest, key: KeyLimits) -> None:
     """The API key's own model list (within the plan's), checked before any quota unit is counted."""
     if not key.allows_model(parsed.model):
         raise APIError(403, f"The API key {key.label} may not use the model '{parsed.model}'; it may use: "

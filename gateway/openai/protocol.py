@@ -144,3 +144,40 @@ class CompletionRequest(_Sampling):
     def _check_content(self) -> None:
         if type(self.prompt) is list and not self.prompt:
             raise invalid("prompt must not be an empty list.", param="prompt")
+
+
+_Input = str | list[str] | list[int] | list[list[int]]
+
+
+class EmbeddingRequest(_Body):
+    """``POST /v1/embeddings``: texts or token-id lists to embed. Each input is one sequence the engine
+    pools; the plan bounds how many one request may carry (see :mod:`flatfare.gateway.openai.embeddings`)."""
+
+    model: Annotated[str, Field(min_length=1, max_length=256)]
+    input: _Input
+    encoding_format: Literal["float", "base64"] | None = None
+    # Matryoshka embeddings: only a model that declares them may shorten its vectors (vLLM checks that).
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+
+    def inputs(self) -> list[str] | list[list[int]]:
+        """The inputs, one entry each: texts, or token-id lists."""
+        given = self.input
+        if type(given) is str:
+            return [given]
+        if given and type(given[0]) is int:
+            return [given]  # type: ignore[list-item]  # one input as token ids
+        return given  # type: ignore[return-value]
+
+    @model_validator(mode="after")
+    def _bounded(self) -> Self:
+        extra = self.model_extra
+        if extra:
+            for name in extra.keys() & REFUSED_FIELDS.keys():
+                if extra[name] is not None:
+                    raise grammar_caps.refuse_field(name, REFUSED_FIELDS[name])
+        if type(self.input) is list and (not self.input or any(type(i) is list and not i for i in self.input)):
+            raise invalid("input must not be empty, nor hold an empty list of token ids.", param="input")
+        if any(type(i) is str and not i for i in self.inputs()):
+            raise invalid("input must not hold an empty string: each text is embedded as it is.", param="input")
+        return self

@@ -36,14 +36,15 @@ from flatfare.gateway.metrics import GatewayMetrics
 from flatfare.gateway.plans import PlanBook
 from flatfare.gateway.pools import Pools
 from flatfare.gateway.openai.capabilities import check_capabilities
-from flatfare.gateway.openai.checks import (IDEMPOTENCY_WINDOW_S, check_caps, check_fits, check_key_allows,
-                                    deadline_ms_of, expired, idempotency_key_of, parse_body)
+from flatfare.gateway.openai.checks import (IDEMPOTENCY_WINDOW_S, check_caps, check_key_allows, deadline_ms_of,
+                                            expired, idempotency_key_of)
+from flatfare.gateway.openai.kinds import KINDS, parse_body
 from flatfare.gateway.queueing import KeyQuotaSpent, LaneQueue, QuotaClaim, QuotaSpent, Queued, TooManyInFlight
 from flatfare.gateway.quota_headers import ratelimit_headers
 from flatfare.gateway.replies import JOB_LOST, Inbox, Replies, ReplyRouter, timed_out
 from flatfare.gateway.openai.refusals import key_ratelimit, refusal
 from flatfare.gateway.openai.screen import RequestScreen
-from flatfare.gateway.openai.prompt_length import TokenCounter, check_prompt_length
+from flatfare.gateway.openai.prompt_length import TokenCounter
 
 log = logging.getLogger("flatfare.gateway")
 
@@ -173,7 +174,7 @@ class CompletionService:
     def __init__(self, pools: Pools, router: ReplyRouter, replies: Replies, ledger: Ledger, plans: PlanBook,
                  quota: DailyQuota, queue: LaneQueue, prefixes: PrefixRouter, held: HeldUnits,
                  metrics: GatewayMetrics | None = None, screen: RequestScreen | None = None,
-                 tokenizers: TokenCounter | None = None, cold_start_timeout_s: float = 600.0) -> None:
+                 tokenizers: TokenCounter | None = None) -> None:
         self._pools = pools
         self._router = router
         self._replies = replies
@@ -187,37 +188,35 @@ class CompletionService:
         self._metrics = metrics or GatewayMetrics()
         self._screen = screen
         self._tokenizers = tokenizers
-        # How long a request admitted with no warm worker waits for one to take it (see _first_replies).
-        self._cold_start_ms = int(cold_start_timeout_s * 1000)
 
     async def handle(self, endpoint: Endpoint, raw: bytes, caller: Caller, call: Call) -> Answer:
+        kind = KINDS[endpoint]
         body, parsed = parse_body(endpoint, raw)
         now = datetime.now(UTC)
         terms = await self._plans.terms(caller.account, now)
         call.label(plan=terms.plan.name, lane=terms.plan.lane.value)
-        check_caps(parsed, terms, len(raw))
+        check_caps(parsed, terms, len(raw), kind.check_caps)
         check_key_allows(parsed, caller.key)
         if self._screen is not None:  # image hosts that resolve to private addresses; grammar floods
             await self._screen.check(caller.account_id, parsed)
         entry = (await self._pools.catalog()).get(parsed.model)
-        check_capabilities(parsed, entry)  # tools, media, reasoning the model lacks: 400, nothing counted
+        check_capabilities(parsed, entry, kind.embeds)  # tools, media, reasoning, embeddings the model lacks: 400
         if entry is not None and not entry.allows_plan(terms.plan.name):
             raise APIError(403, f"The model '{parsed.model}' is not offered on the {terms.plan.name} plan.",
                            param="model", code="model_not_allowed")
         pool = await self._pools.route(parsed.model, terms.pool)
-        check_fits(parsed, pool)
-        # The plan's input cap, before anything is counted: only a long prompt waits for a tokenizer.
-        await check_prompt_length(parsed, terms.plan, self._tokenizers)
+        # The model's context and the plan's input cap, before anything is counted: only a long prompt
+        # waits for a tokenizer.
+        await kind.check_input(parsed, terms.plan, pool, self._tokenizers)
         deadline_ms = deadline_ms_of(call.headers, now)
         call.label(model=pool.model)
         for name in _RESERVED_FIELDS:
             body.pop(name, None)
         cap = terms.plan.max_output_tokens
-        if cap is not None and parsed.output_tokens() is None:
+        if cap is not None and kind.output_param is not None and parsed.output_tokens() is None:
             # Without a limit of its own a request would run to the end of the context: the plan's
             # cap is its limit.
-            body["max_completion_tokens" if endpoint is Endpoint.CHAT else "max_tokens"] = min(
-                cap, pool.max_model_len or cap)
+            body[kind.output_param] = min(cap, pool.max_model_len)
         idempotency_key = idempotency_key_of(call.headers)
         body_sha256 = hashlib.sha256(raw).hexdigest() if idempotency_key else None
         if idempotency_key:
@@ -283,8 +282,7 @@ class CompletionService:
         # The row is written while the job runs; no answer leaves before it is committed.
         opening = None if idempotency_key else self._ledger.start_open(**row)
         return await self._relay(admission, inbox, call, opening=opening,
-                                 queued=admitted.queued if deadline_ms or cold_until_ms else None,
-                                 deadline_ms=deadline_ms, cold_until_ms=cold_until_ms)
+                                 queued=admitted.queued if deadline_ms else None, deadline_ms=deadline_ms)
 
     async def _give_back(self, admission: Admission) -> None:
         try:
@@ -369,12 +367,12 @@ class CompletionService:
 
     async def _relay(self, admission: Admission, inbox: Inbox, call: Call, *,
                      opening: asyncio.Future[None] | None = None, queued: Queued | None = None,
-                     deadline_ms: int = 0, cold_until_ms: int = 0) -> Answer:
+                     deadline_ms: int = 0) -> Answer:
         headers = {"x-request-id": admission.request_id}
         call.watch(inbox.leave)
         handed_over = False
         try:
-            batch = await self._first_replies(admission, inbox, call, queued, deadline_ms, cold_until_ms)
+            batch = await self._first_replies(admission, inbox, call, queued, deadline_ms)
             if opening is not None:
                 await self._recorded(admission, opening)
             if batch is None:
@@ -383,9 +381,6 @@ class CompletionService:
             first = batch[0]
             if first.started_ms:
                 headers["x-flatfare-queue-ms"] = str(max(first.started_ms - admission.created_ms, 0))
-            if cold_until_ms:  # admitted with no warm worker: how long the model took to take it
-                taken_ms = first.started_ms or _now_ms()
-                headers["x-flatfare-model-wait-ms"] = str(max(taken_ms - admission.created_ms, 0))
             if admission.owner and (first.kind is ReplyKind.CHUNK
                                     or (first.kind is ReplyKind.RESPONSE and first.status < 400)):
                 self._metrics.first_token(admission.model, admission.lane, (_now_ms() - admission.created_ms) / 1000)
@@ -410,16 +405,14 @@ class CompletionService:
             raise _ledger_unavailable() from None
 
     async def _first_replies(self, admission: Admission, inbox: Inbox, call: Call, queued: Queued | None,
-                             deadline_ms: int, cold_until_ms: int = 0) -> list[Reply] | None:
+                             deadline_ms: int) -> list[Reply] | None:
         """The first replies, or None if the client left first (the caller cancels the job).
 
-        Past the client's queue deadline, a job no worker has taken yet is withdrawn: 429, free. So is
-        a cold request's past the cold start's bound: 503, free, saying why no engine came up."""
+        Past the client's queue deadline, a job no worker has taken yet is withdrawn: 429, free."""
         timeout_at = admission.created_ms + int(self._router.timeout_s * 1000)
-        withdraw_at = min(at for at in (deadline_ms, cold_until_ms) if at) if queued is not None else 0
         watching = False
         while True:
-            wake_at = min(timeout_at, withdraw_at) if queued is not None else timeout_at
+            wake_at = min(timeout_at, deadline_ms) if queued is not None else timeout_at
             wait_s = max(wake_at - _now_ms(), 0) / 1000
             batch = await inbox.next(wait_s if watching else min(wait_s, WATCH_AFTER_S))
             if batch:
@@ -430,34 +423,19 @@ class CompletionService:
                 watching = True
                 call.watch_client()
                 continue
-            if queued is not None and _now_ms() >= withdraw_at:
+            if queued is not None and _now_ms() >= deadline_ms:
                 if await self._queue.withdraw(queued):
-                    if deadline_ms and _now_ms() >= deadline_ms:
-                        refused = APIError(429, "The request waited in the queue past its x-flatfare-max-queue-ms "
-                                           "deadline; it was not run and costs nothing.",
-                                           code="queue_deadline_exceeded", headers={"Retry-After": "1"})
-                    else:
-                        refused = await self._cold_start_failed(admission, queued.pool)
-                    refused.headers["x-request-id"] = admission.request_id
-                    await self._abandon(admission, RequestStatus.FAILED, refused.status, refused.code or "",
+                    await self._abandon(admission, RequestStatus.FAILED, 429, "queue_deadline_exceeded",
                                         billable=False)
-                    raise refused
+                    raise APIError(429, "The request waited in the queue past its x-flatfare-max-queue-ms "
+                                   "deadline; it was not run and costs nothing.", code="queue_deadline_exceeded",
+                                   headers={"Retry-After": "1", "x-request-id": admission.request_id})
                 queued = None  # a worker has it: no deadline any more
                 continue
             if _now_ms() >= timeout_at:
                 exc = timed_out()
                 await self._abandon(admission, RequestStatus.FAILED, exc.status, exc.code or "timeout", billable=False)
                 raise exc
-
-    async def _cold_start_failed(self, admission: Admission, pool: str) -> APIError:
-        try:
-            reason = await self._pools.cold_start_reason(admission.model, pool)
-        except RedisError:  # the job is withdrawn already: the answer goes without the fleet's word
-            reason = None
-        return APIError(503, f"The model '{admission.model}' did not come up within {self._cold_start_ms / 1000:g} s"
-                        f" ({reason or 'no engine of it became ready, and no fleet supervisor said why'}); "
-                        "the request was not run and costs nothing. Retry later.", param="model",
-                        code="model_cold_start_timeout", headers={"Retry-After": "30"})
 
     def _whole(self, admission: Admission, reply: Reply, headers: dict[str, str]) -> Answer:
         outcome = _outcome(reply, admission.created_ms, _now_ms())

@@ -103,7 +103,7 @@ def test_models_show_context_length_capabilities_and_state(cstack: Stack, admin:
     assert card["context_length"] == 1 << 20  # the live worker's, which wins over the catalog's
     assert card["capabilities"] == {"tools": False, "auto_tool_choice": False, "json_mode": True,
                                     "structured_outputs": True, "reasoning": False, "vision": False,
-                                    "audio": False, "video": False}
+                                    "audio": False, "video": False, "embeddings": False}
     assert http.get(f"/v1/models/{MODEL}").json() == card
     smol = cards(http)["smollm2-135m-instruct"]  # pinned, no worker here: the catalog's context
     assert smol["state"] == "unavailable" and smol["context_length"] == 2048 and smol["capabilities"]["auto_tool_choice"]

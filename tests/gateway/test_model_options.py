@@ -51,7 +51,7 @@ def test_capabilities_follow_the_options() -> None:
 
     assert caps("llama-3.1-8b") == {"tools": True, "auto_tool_choice": True, "json_mode": True,
                                          "structured_outputs": True, "reasoning": False, "vision": False,
-                                         "audio": False, "video": False}
+                                         "audio": False, "video": False, "embeddings": False}
     assert caps("qwen3-8b")["reasoning"] and caps("deepseek-r1")["reasoning"] and not caps("deepseek-r1")["tools"]
     assert caps("gemma-3-27b")["vision"] and not caps("gemma-3-27b")["tools"]
     assert not capabilities_of({"limit_mm_per_prompt": {"image": 0}}).public()["vision"]

@@ -15,7 +15,7 @@ from flatfare import contract
 from flatfare.billing.plans import PlanRules
 from flatfare.contract import Endpoint
 from flatfare.gateway.errors import APIError
-from flatfare.gateway.openai.checks import parse_body
+from flatfare.gateway.openai.kinds import parse_body
 from flatfare.gateway.openai.prompt_length import TOKENS_PER_PROMPT, check_prompt_length
 from flatfare.gateway.tokenizer_cache import CHARS_PER_LIMIT_TOKEN, Counted, Tokenizers
 from flatfare.storage.models import Lane

@@ -16,7 +16,8 @@ from tokenizers import Tokenizer
 from flatfare.billing.plans import AccountTerms, PlanRules
 from flatfare.contract import Endpoint
 from flatfare.gateway.errors import APIError
-from flatfare.gateway.openai.checks import check_caps, parse_body
+from flatfare.gateway.openai.checks import check_caps
+from flatfare.gateway.openai.kinds import parse_body
 from flatfare.gateway.openai.prompt_length import TOKENS_PER_MESSAGE, TOKENS_PER_PROMPT, check_prompt_length
 from flatfare.gateway.tokenizer_cache import Tokenizers
 from flatfare.storage.db import migrate

@@ -39,7 +39,8 @@ def _seeded(plan: Plan) -> dict[str, object]:
             "monthly": plan.monthly_price_cents / 100, "lane": plan.lane, "models": plan.allowed_models,
             "sequences a request (prompts x `n` x `best_of`)": plan.max_n, "output tokens": plan.max_output_tokens,
             "input tokens": plan.max_prompt_tokens, "body": plan.max_body_bytes,
-            "requests in flight": plan.max_inflight, "the day's timezone": plan.timezone}
+            "requests in flight": plan.max_inflight, "embedding inputs a request": plan.max_embedding_inputs,
+            "the day's timezone": plan.timezone}
 
 
 def _read(column: str, cell: str) -> object:

@@ -1,0 +1,79 @@
+"""The gateway's side of each job kind (:class:`~flatfare.contract.Endpoint`): one row per kind.
+
+A row names the kind's wire model, the plan caps on its work, the checks of its input against the
+routed model, whether it needs an embedding model or one that generates, and the field a plan's
+output cap fills in. :class:`~flatfare.gateway.openai.service.CompletionService` runs every kind
+through the same path (auth, caps, capabilities, routing, admission, ledger, relay) reading only this
+table; the worker's side is ``flatfare.workers.engine.SERVING``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ValidationError
+
+from flatfare.billing.plans import PlanRules
+from flatfare.contract import Endpoint
+from flatfare.gateway.errors import APIError, invalid, validation_error
+from flatfare.gateway.openai.checks import check_fits, check_generation_caps
+from flatfare.gateway.openai.embeddings import check_embedding_caps, check_embedding_input
+from flatfare.gateway.openai.prompt_length import TokenCounter, check_prompt_length
+from flatfare.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from flatfare.gateway.pools import Pool
+
+OpenAIRequest = ChatCompletionRequest | CompletionRequest | EmbeddingRequest
+
+
+@dataclass(frozen=True, slots=True)
+class JobKind:
+    endpoint: Endpoint
+    wire: type[BaseModel]
+    # The plan's caps on one request's work (sequences, output tokens, inputs), before anything is counted.
+    check_caps: Callable[[Any, PlanRules], None]
+    # The request's input against the routed model's context and the plan's input tokens.
+    check_input: Callable[[Any, PlanRules, Pool, TokenCounter | None], Awaitable[None]]
+    # True: served by embedding models only (capability ``embeddings``); False: by models that generate.
+    embeds: bool
+    # The body field a plan's output cap fills in when the request sets no limit; None: no text output.
+    output_param: str | None
+    # What the route does, for /docs.
+    summary: str
+
+
+async def _check_generation_input(parsed: ChatCompletionRequest | CompletionRequest, plan: PlanRules, pool: Pool,
+                                  counter: TokenCounter | None) -> None:
+    check_fits(parsed, pool)
+    await check_prompt_length(parsed, plan, counter)
+
+
+KINDS: dict[Endpoint, JobKind] = {
+    Endpoint.CHAT: JobKind(Endpoint.CHAT, ChatCompletionRequest, check_generation_caps, _check_generation_input,
+                           embeds=False, output_param="max_completion_tokens",
+                           summary="Creates a model response for the given chat conversation (OpenAI's API)."),
+    Endpoint.COMPLETION: JobKind(Endpoint.COMPLETION, CompletionRequest, check_generation_caps,
+                                 _check_generation_input, embeds=False, output_param="max_tokens",
+                                 summary="Creates a completion for the provided prompt (OpenAI's API)."),
+    Endpoint.EMBEDDINGS: JobKind(Endpoint.EMBEDDINGS, EmbeddingRequest, check_embedding_caps, check_embedding_input,
+                                 embeds=True, output_param=None,
+                                 summary="Creates embedding vectors of the input texts or token ids (OpenAI's API); "
+                                 "one request is one unit, its inputs bounded by the plan."),
+}
+
+
+def parse_body(endpoint: Endpoint, raw: bytes) -> tuple[dict[str, Any], OpenAIRequest]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise APIError(400, "We could not parse the JSON body of your request. Send a JSON object "
+                       "with 'Content-Type: application/json'.", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise invalid("The request body must be a JSON object.", code="invalid_json")
+    try:
+        parsed = KINDS[endpoint].wire.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(list(exc.errors()), body) from None
+    return body, parsed  # type: ignore[return-value]
