@@ -22,7 +22,7 @@ MAX_IDEMPOTENCY_KEY = 255
 
 def check_fits(parsed: ChatCompletionRequest | CompletionRequest, pool: Pool) -> None:
     wanted = parsed.output_tokens()
-    if wanted is not None and wanted > pool.max_model_len:
+    if wanted is not None and pool.max_model_len is not None and wanted > pool.max_model_len:
         param = "max_completion_tokens" if getattr(parsed, "max_completion_tokens", None) else "max_tokens"
         raise invalid(f"{param} is too large: {wanted}. The model '{pool.model}' supports at most "
                       f"{pool.max_model_len} tokens of context.", param=param)

@@ -34,23 +34,25 @@ for _kind in KINDS.values():
 
 
 async def _model_cards(pools: PoolsDep, plans: PlansDep, caller: Caller) -> list[dict[str, Any]]:
-    """OpenAI's model objects, plus Flatfare's: ``state`` (warm, starting or unavailable),
-    ``context_length`` and the ``capabilities`` its catalog entry gives it (null for a model outside
-    the catalog); only the models the caller's plan and key may use."""
+    """OpenAI's model objects, plus Flatfare's: ``state`` (warm, waking, starting, asleep, cold or
+    unavailable), ``expected_ready_s`` for an asleep or cold model whose last wake or start was
+    measured, ``context_length`` and the ``capabilities`` its catalog entry gives it (null for a model
+    outside the catalog); only the models the caller's plan and key may use."""
     catalog = await pools.catalog()
     plan = (await plans.terms(caller.account, datetime.now(UTC))).plan
     cards = []
-    for name, state in (await pools.model_states()).items():
+    for name, status in (await pools.model_states()).items():
         entry = catalog.get(name)
         if not (caller.key.allows_model(name) and plan.allows_model(name) and (entry is None or
                                                                               entry.allows_plan(plan.name))):
             continue
-        workers = await pools.live_workers(name)
-        context = min((w.max_model_len for w in workers if w.max_model_len), default=None)
-        cards.append({"id": name, "object": "model", "created": entry.created if entry else 0,
-                      "owned_by": "flatfare", "state": state.value,
-                      "context_length": context or (entry.max_model_len if entry else None),
-                      "capabilities": entry.capabilities.public() if entry else None})
+        card = {"id": name, "object": "model", "created": entry.created if entry else 0,
+                "owned_by": "flatfare", "state": status.state.value,
+                "context_length": await pools.context_length(entry, name),
+                "capabilities": entry.capabilities.public() if entry else None}
+        if status.expected_ready_s is not None:
+            card["expected_ready_s"] = round(status.expected_ready_s, 1)
+        cards.append(card)
     return cards
 
 

@@ -174,7 +174,7 @@ class CompletionService:
     def __init__(self, pools: Pools, router: ReplyRouter, replies: Replies, ledger: Ledger, plans: PlanBook,
                  quota: DailyQuota, queue: LaneQueue, prefixes: PrefixRouter, held: HeldUnits,
                  metrics: GatewayMetrics | None = None, screen: RequestScreen | None = None,
-                 tokenizers: TokenCounter | None = None) -> None:
+                 tokenizers: TokenCounter | None = None, cold_start_timeout_s: float = 600.0) -> None:
         self._pools = pools
         self._router = router
         self._replies = replies
@@ -188,6 +188,8 @@ class CompletionService:
         self._metrics = metrics or GatewayMetrics()
         self._screen = screen
         self._tokenizers = tokenizers
+        # How long a request admitted with no warm worker waits for one to take it (see _first_replies).
+        self._cold_start_ms = int(cold_start_timeout_s * 1000)
 
     async def handle(self, endpoint: Endpoint, raw: bytes, caller: Caller, call: Call) -> Answer:
         kind = KINDS[endpoint]
@@ -216,7 +218,8 @@ class CompletionService:
         if cap is not None and kind.output_param is not None and parsed.output_tokens() is None:
             # Without a limit of its own a request would run to the end of the context: the plan's
             # cap is its limit.
-            body[kind.output_param] = min(cap, pool.max_model_len)
+            body[kind.output_param] = min(
+                cap, pool.max_model_len or cap)
         idempotency_key = idempotency_key_of(call.headers)
         body_sha256 = hashlib.sha256(raw).hexdigest() if idempotency_key else None
         if idempotency_key:
@@ -282,7 +285,8 @@ class CompletionService:
         # The row is written while the job runs; no answer leaves before it is committed.
         opening = None if idempotency_key else self._ledger.start_open(**row)
         return await self._relay(admission, inbox, call, opening=opening,
-                                 queued=admitted.queued if deadline_ms else None, deadline_ms=deadline_ms)
+                                 queued=admitted.queued if deadline_ms or cold_until_ms else None,
+                                 deadline_ms=deadline_ms, cold_until_ms=cold_until_ms)
 
     async def _give_back(self, admission: Admission) -> None:
         try:
@@ -367,12 +371,12 @@ class CompletionService:
 
     async def _relay(self, admission: Admission, inbox: Inbox, call: Call, *,
                      opening: asyncio.Future[None] | None = None, queued: Queued | None = None,
-                     deadline_ms: int = 0) -> Answer:
+                     deadline_ms: int = 0, cold_until_ms: int = 0) -> Answer:
         headers = {"x-request-id": admission.request_id}
         call.watch(inbox.leave)
         handed_over = False
         try:
-            batch = await self._first_replies(admission, inbox, call, queued, deadline_ms)
+            batch = await self._first_replies(admission, inbox, call, queued, deadline_ms, cold_until_ms)
             if opening is not None:
                 await self._recorded(admission, opening)
             if batch is None:
@@ -381,6 +385,9 @@ class CompletionService:
             first = batch[0]
             if first.started_ms:
                 headers["x-flatfare-queue-ms"] = str(max(first.started_ms - admission.created_ms, 0))
+            if cold_until_ms:  # admitted with no warm worker: how long the model took to take it
+                taken_ms = first.started_ms or _now_ms()
+                headers["x-flatfare-model-wait-ms"] = str(max(taken_ms - admission.created_ms, 0))
             if admission.owner and (first.kind is ReplyKind.CHUNK
                                     or (first.kind is ReplyKind.RESPONSE and first.status < 400)):
                 self._metrics.first_token(admission.model, admission.lane, (_now_ms() - admission.created_ms) / 1000)
@@ -405,14 +412,16 @@ class CompletionService:
             raise _ledger_unavailable() from None
 
     async def _first_replies(self, admission: Admission, inbox: Inbox, call: Call, queued: Queued | None,
-                             deadline_ms: int) -> list[Reply] | None:
+                             deadline_ms: int, cold_until_ms: int = 0) -> list[Reply] | None:
         """The first replies, or None if the client left first (the caller cancels the job).
 
-        Past the client's queue deadline, a job no worker has taken yet is withdrawn: 429, free."""
+        Past the client's queue deadline, a job no worker has taken yet is withdrawn: 429, free. So is
+        a cold request's past the cold start's bound: 503, free, saying why no engine came up."""
         timeout_at = admission.created_ms + int(self._router.timeout_s * 1000)
+        withdraw_at = min(at for at in (deadline_ms, cold_until_ms) if at) if queued is not None else 0
         watching = False
         while True:
-            wake_at = min(timeout_at, deadline_ms) if queued is not None else timeout_at
+            wake_at = min(timeout_at, withdraw_at) if queued is not None else timeout_at
             wait_s = max(wake_at - _now_ms(), 0) / 1000
             batch = await inbox.next(wait_s if watching else min(wait_s, WATCH_AFTER_S))
             if batch:
@@ -423,19 +432,34 @@ class CompletionService:
                 watching = True
                 call.watch_client()
                 continue
-            if queued is not None and _now_ms() >= deadline_ms:
+            if queued is not None and _now_ms() >= withdraw_at:
                 if await self._queue.withdraw(queued):
-                    await self._abandon(admission, RequestStatus.FAILED, 429, "queue_deadline_exceeded",
+                    if deadline_ms and _now_ms() >= deadline_ms:
+                        refused = APIError(429, "The request waited in the queue past its x-flatfare-max-queue-ms "
+                                           "deadline; it was not run and costs nothing.",
+                                           code="queue_deadline_exceeded", headers={"Retry-After": "1"})
+                    else:
+                        refused = await self._cold_start_failed(admission, queued.pool)
+                    refused.headers["x-request-id"] = admission.request_id
+                    await self._abandon(admission, RequestStatus.FAILED, refused.status, refused.code or "",
                                         billable=False)
-                    raise APIError(429, "The request waited in the queue past its x-flatfare-max-queue-ms "
-                                   "deadline; it was not run and costs nothing.", code="queue_deadline_exceeded",
-                                   headers={"Retry-After": "1", "x-request-id": admission.request_id})
+                    raise refused
                 queued = None  # a worker has it: no deadline any more
                 continue
             if _now_ms() >= timeout_at:
                 exc = timed_out()
                 await self._abandon(admission, RequestStatus.FAILED, exc.status, exc.code or "timeout", billable=False)
                 raise exc
+
+    async def _cold_start_failed(self, admission: Admission, pool: str) -> APIError:
+        try:
+            reason = await self._pools.cold_start_reason(admission.model, pool)
+        except RedisError:  # the job is withdrawn already: the answer goes without the fleet's word
+            reason = None
+        return APIError(503, f"The model '{admission.model}' did not come up within {self._cold_start_ms / 1000:g} s"
+                        f" ({reason or 'no engine of it became ready, and no fleet supervisor said why'}); "
+                        "the request was not run and costs nothing. Retry later.", param="model",
+                        code="model_cold_start_timeout", headers={"Retry-After": "30"})
 
     def _whole(self, admission: Admission, reply: Reply, headers: dict[str, str]) -> Answer:
         outcome = _outcome(reply, admission.created_ms, _now_ms())
