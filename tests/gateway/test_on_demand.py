@@ -26,8 +26,9 @@ from sqlalchemy import select
 from flatfare import contract
 from flatfare.billing.plans import quota_window
 from flatfare.billing.quota import counter_key
-from flatfare.contract import FleetStatus, Lane, ModelFacts, WorkerInfo, WorkerState
+from flatfare.contract import Endpoint, FleetStatus, Lane, ModelFacts, WorkerInfo, WorkerState
 from flatfare.gateway.app import create_app
+from flatfare.gateway.prefix_routing import prefix_hash
 from flatfare.gateway.settings import GatewaySettings
 from flatfare.redis_conn import connect
 from flatfare.storage.accounts import ensure_account, issue_key
@@ -326,3 +327,20 @@ async def test_models_say_how_each_model_is_kept(tmp_path: Path, redis_url: str)
         async with worker_of(redis_url, COLD):
             cards = await until(lambda: models(gw), lambda c: c[COLD]["state"] == "warm", "the cold model warm")
         assert "expected_ready_s" not in cards[COLD]
+
+
+async def test_a_prefix_is_never_routed_to_an_engine_that_is_not_warm(tmp_path: Path, redis_url: str) -> None:
+    system = {"role": "system", "content": "You answer questions about this contract. " + "clause " * 100}
+    body = {"model": COLD, "messages": [system, {"role": "user", "content": "q"}], "max_tokens": 3}
+    async with open_gateway(tmp_path, redis_url) as gw:
+        # The prefix's last server went to sleep; another engine of the model is warm.
+        await heartbeat(gw.redis, COLD, WorkerState.ASLEEP, "sleeper")
+        await gw.redis.set(contract.prefix_key(COLD, prefix_hash(Endpoint.CHAT, body)), "sleeper")
+        async with worker_of(redis_url, COLD):
+            await until(lambda: gw.redis.zscore(contract.pool_key(COLD), "w1"), lambda s: s is not None,
+                        "the warm worker's heartbeat")
+            answered = await gw.client.post("/v1/chat/completions", json=body, headers=gw.auth)
+        assert answered.status_code == 200, answered.text
+        # Taken from the shared lane, not from the asleep engine's own stream (where only a takeover,
+        # once its heartbeat stopped, would have found it).
+        assert int(await gw.redis.get(contract.drained_key(COLD, Lane.STANDARD)) or 0) == 1
