@@ -1,4 +1,4 @@
-"""``python -m bench overhead|engine|gpu|profile``."""
+"""``python -m bench overhead|engine|gpu|profile|...``."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ COMMANDS = {
                      "real architectures (the H200: gpu_device.sh capabilities)"),
     "console": ("bench.console", "the usage pages' database work on 10,000 accounts and 1,000,000 ledger rows, "
                 "SQLite and PostgreSQL (~5 min)"),
+    "fleet": ("bench.fleet", "many models on one engine budget: cold starts, wakes, the budget held, nothing lost "
+              "(cpu ~10 min; gpu: the H200, gpu_device.sh fleet; report)"),
     "scale": ("bench.scale", "requests/s for 1, 2, 4 worker hosts, hosts as network namespaces; needs root (~3 min)"),
 }
 

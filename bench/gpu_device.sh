@@ -9,6 +9,7 @@
 #   bash bench/gpu_device.sh run SHAPE ROUNDS DIR  # SHAPE 8b|1b: make the model, run bench.engine, leave DIR.tgz
 #   bash bench/gpu_device.sh offline SHAPE DIR     # vllm_bench.py offline on that model: DIR.json, DIR.log
 #   bash bench/gpu_device.sh capabilities DIR      # bench.capabilities: tools, reasoning, vision via catalog entries
+#   bash bench/gpu_device.sh fleet PART DIR        # bench.fleet gpu: PART levels (1B, real weights) | many (8B x6)
 #
 # `run` compares Flatfare (private Redis, SQLite, flatfare worker + gateway) with `vllm serve` on a
 # random-weight Llama of that shape (--load-format dummy), input 512 / output 128, ignore_eos,
@@ -235,6 +236,43 @@ capabilities() {
   rm -rf "$dir"
 }
 
+fleet() {
+  # bench.fleet gpu: Flatfare's whole path with one `flatfare fleet --max-awake 1` (its workers start with vLLM's
+  # sleep mode). `levels`: two entries on one folder with real weights (level 2 reloads them from disk; SHAPE,
+  # default 1b, made once in /tmp/w$SHAPE), full starts vs level-1 and level-2 wakes. `many`: MODELS (default 6)
+  # entries on one 8B folder (load_format dummy, level 1), started one by one, then each woken (ROUNDS, default
+  # 2). FLEET_OPTIONS (JSON) replaces the entries' options. DIR.tgz holds the JSON, the table and the logs.
+  local part=${1:?part levels|many} dir=${2:?result dir} shape model options
+  env_flatfare
+  mkdir -p "$dir"
+  if [ "$part" = levels ]; then
+    shape=${SHAPE:-1b}; model=/tmp/w$shape; options=${FLEET_OPTIONS:-'{"gpu_memory_utilization": 0.85}'}
+    ls "$model"/*.safetensors > /dev/null 2>&1 || python3 "$ROOT/.gpu_tools/vllm_bench.py" make-model \
+      --shape "$shape" --out "$model" > "$dir/make-model.log" 2>&1 || { tail -5 "$dir/make-model.log"; return 1; }
+  else
+    shape=${SHAPE:-8b}; model=/tmp/m$shape
+    options=${FLEET_OPTIONS:-'{"load_format": "dummy", "enforce_eager": true, "gpu_memory_utilization": 0.8}'}
+    [ -f "$model/config.json" ] || python3 "$ROOT/.gpu_tools/vllm_bench.py" make-model --shape "$shape" \
+      --out "$model" --no-weights > /dev/null
+  fi
+  [ "$(left)" -gt 150 ] || { say "fleet $part: only $(left) s left: not starting"; return 1; }
+  free_gpu
+  # The bench stops sending 60 s before END_BY (what it measured stays in its JSON, written after every
+  # request), SIGINT 40 s before it, SIGKILL 25 s later: the tar below still runs in time.
+  (cd "$ROOT" && timeout -s INT -k 25 $(( $(left) - 40 )) python3 -m bench fleet gpu --part "$part" \
+    --model-dir "$model" --models "${MODELS:-6}" --rounds "${ROUNDS:-2}" --engine-options "$options" \
+    --end-by $(( $(date +%s) + $(left) - 60 )) --workdir "/tmp/fffleet-$part" --out "$dir/fleet_gpu_$part") \
+    > "$dir/$part.log" 2>&1 || say "bench.fleet $part failed or was stopped (rc $?)"
+  grep '^\[fleet\]' "$dir/$part.log" | cut -c1-200 || tail -20 "$dir/$part.log"
+  cp -r "/tmp/fffleet-$part/logs" "$dir/logs" 2>/dev/null || true
+  cp "/tmp/fffleet-$part/fleet.log" "/tmp/fffleet-$part/gateway.log" "$dir/" 2>/dev/null || true
+  free_gpu
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$dir/nvidia-smi.csv" 2>&1 || true
+  tar czf "$dir.tgz" -C "$(dirname "$dir")" "$(basename "$dir")"
+  rm -rf "$dir"
+  say "wrote $dir.tgz ($(du -k "$dir.tgz" | cut -f1) KiB), $(left) s left"
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
@@ -245,7 +283,8 @@ case "$cmd" in
   run) run "$@" ;;
   offline) offline "$@" ;;
   capabilities) capabilities "$@" ;;
+  fleet) fleet "$@" ;;
   *) echo "usage: $0 setup | install-flatfare | check-flatfare | python ARGS | run SHAPE ROUNDS DIR |" \
-          "offline SHAPE DIR | capabilities DIR" >&2
+          "offline SHAPE DIR | capabilities DIR | fleet levels|many DIR" >&2
      exit 2 ;;
 esac
