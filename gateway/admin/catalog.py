@@ -67,7 +67,8 @@ async def _public(request: Request, model: CatalogModel) -> ModelPublic:
     if model.base_model:
         async with request.app.state.sessions() as session:
             base = await session.get(CatalogModel, model.base_model)
-    return ModelPublic.of(model, await request.app.state.pools.live_workers(model.base_model or model.name), base)
+    pools = request.app.state.pools
+    return ModelPublic.of(model, await pools.live_workers(model.base_model or model.name), base, await pools.fleets())
 
 
 @router.get("/models", response_model=Page[ModelPublic])

@@ -78,6 +78,14 @@ class WorkerPublic(_Out):
                    engine_config=worker.extra.get("engine_config") or {})
 
 
+class FleetServing(_Out):
+    """A fleet supervisor that can start the model on its host, and why it has not yet (when it says)."""
+
+    fleet_id: str
+    host: str
+    waiting: str | None = None
+
+
 class ModelPublic(_Out):
     name: str
     source: str
@@ -96,14 +104,20 @@ class ModelPublic(_Out):
     # The live workers of its shared pool (a variant's: its base model's), each with the engine
     # configuration it runs and its state (warm, asleep, ...).
     workers: list[WorkerPublic] = Field(default_factory=list)
+    # The live fleets that list it (GET /admin/v1/fleets has the rest of their state).
+    fleets: list[FleetServing] = Field(default_factory=list)
 
     @classmethod
-    def of(cls, model: Any, workers: Sequence[Any], base: Any = None) -> ModelPublic:
-        """``base``: a variant's base model, whose engines (and so capabilities) serve it."""
+    def of(cls, model: Any, workers: Sequence[Any], base: Any = None, fleets: Sequence[Any] = ()) -> ModelPublic:
+        """``base``: a variant's base model, whose engines (and so capabilities) serve it; ``fleets``: the
+        live fleets' statuses."""
         options = dict(model.engine_options or {})
         return cls.model_validate(model).model_copy(update={
             "engine_options": {k: v for k, v in options.items() if k != TRUST_REMOTE_CODE},
             "trust_remote_code": bool(options.get(TRUST_REMOTE_CODE)),
             "capabilities": capabilities_of(base.engine_options or {} if base is not None else options).public(),
             "live_workers": len(workers),
-            "workers": [WorkerPublic.of(w) for w in workers]})
+            "workers": [WorkerPublic.of(w) for w in workers],
+            "fleets": [FleetServing(fleet_id=f.fleet_id, host=f.host,
+                                    waiting=f.waiting.get(model.base_model or model.name))
+                       for f in fleets if model.name in f.models]})

@@ -221,5 +221,12 @@ def test_fleet_status_and_the_admin_api_show_the_engines_and_decisions(stack: St
         assert [e["state"] for e in listed["engines"].values()] == ["warm"]
         assert listed["decisions"][0]["action"] == "start" and listed["decisions"][0]["model"] == "m2"
         assert httpx.get(f"{stack.base_url}/admin/v1/fleets", timeout=10).status_code == 401
+        # The model's admin state names the fleets that can start it (m1 is not among this one's).
+        def fleets_of(model: str) -> list[dict]:
+            return httpx.get(f"{stack.base_url}/admin/v1/models/{model}", headers=admin, timeout=10).json()["fleets"]
+
+        [serving] = eventually(lambda: fleets_of("m2"), lambda f: len(f) == 1, "m2's fleets")
+        assert (serving["fleet_id"], serving["waiting"]) == (FLEET, None)
+        assert fleets_of("m1") == []
     assert "no fleet is running" in stack.cli("fleet", "status").stdout
     assert httpx.get(f"{stack.base_url}/admin/v1/fleets", headers=admin, timeout=10).json()["data"] == []
