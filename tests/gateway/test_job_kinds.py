@@ -1,0 +1,195 @@
+"""Job kinds declared in one place, and what the gateway refuses of an embeddings request before anything
+is counted: the registry's rows on both sides, unknown routes, the wire model, the plan's caps on inputs
+and tokens, ``dimensions`` against what the model's engines report, and the capability each kind needs.
+
+``create_app`` on a real Redis and SQLite (as tests/gateway/test_asgi.py), migrated, so the catalog holds
+the built-in embedding model ``all-minilm-l6-v2`` (migration 0013). Its worker is its heartbeat, written
+with the worker's own ``queue_beat`` every second: every request here is refused before any worker would
+be asked, which tests/e2e/test_embeddings.py checks on the real engine."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from sqlalchemy import func, select
+
+from flatfare.billing.plans import quota_window
+from flatfare.billing.quota import counter_key
+from flatfare.capabilities import capabilities_of
+from flatfare.contract import ENDPOINT_PATHS, Endpoint, WorkerInfo
+from flatfare.gateway.app import create_app
+from flatfare.gateway.errors import APIError
+from flatfare.gateway.openai.asgi import ROUTES
+from flatfare.gateway.openai.kinds import KINDS, parse_body
+from flatfare.gateway.settings import GatewaySettings
+from flatfare.redis_conn import connect
+from flatfare.storage.accounts import ensure_account, issue_key
+from flatfare.storage.db import create_engine, migrate, session_factory
+from flatfare.storage.models import RequestRecord
+from flatfare.workers.engine import SERVING
+from flatfare.workers.presence import now_ms, queue_beat
+from tests.gateway.test_asgi import lifespan
+
+EMBEDDER = "all-minilm-l6-v2"
+CHAT_MODEL = "smollm2-135m-instruct"
+CONTEXT = 256
+# As the real engine reports it (workers/engine.py effective_config): BERT has no Matryoshka dimensions.
+ENGINE_CONFIG = {"runner": "pooling", "embedding_size": 384, "matryoshka_dimensions": False,
+                 "max_model_len": CONTEXT}
+
+
+def test_every_kind_has_its_row_on_both_sides_and_its_route() -> None:
+    assert set(KINDS) == set(SERVING) == set(Endpoint) == set(ENDPOINT_PATHS)
+    assert set(ROUTES.values()) == set(Endpoint)
+    for endpoint, kind in KINDS.items():
+        assert kind.endpoint is endpoint and ROUTES[endpoint.path] is endpoint
+    assert [e for e, k in KINDS.items() if k.embeds] == [Endpoint.EMBEDDINGS]
+    assert KINDS[Endpoint.EMBEDDINGS].output_param is None  # no text out: no output cap to fill in
+
+
+def test_the_embeddings_wire_model_takes_openai_s_inputs_and_refuses_the_rest() -> None:
+    for given, count in (("hi", 1), (["a", "b"], 2), ([1, 2, 3], 1), ([[1, 2], [3]], 2)):
+        _, parsed = parse_body(Endpoint.EMBEDDINGS, httpx.Request("POST", "/", json={
+            "model": "m", "input": given, "encoding_format": "base64", "user": "u"}).content)
+        assert len(parsed.inputs()) == count, given
+    for body, param in (({"input": []}, "input"), ({"input": [[1], []]}, "input"), ({"input": ["a", ""]}, "input"),
+                        ({"input": ["a", 1]}, "input"), ({"input": "a", "encoding_format": "bytes"}, "encoding_format"),
+                        ({"input": "a", "dimensions": 0}, "dimensions"), ({}, "input")):
+        with pytest.raises(APIError) as refused:
+            parse_body(Endpoint.EMBEDDINGS, httpx.Request("POST", "/", json={"model": "m", **body}).content)
+        assert refused.value.status == 400 and refused.value.param == param, (body, refused.value.message)
+
+
+def test_the_embeddings_capability_comes_from_the_entry_s_runner() -> None:
+    assert capabilities_of({"runner": "pooling"}).public()["embeddings"]
+    assert capabilities_of({"convert": "embed"}).embeddings
+    assert not capabilities_of({"runner": "pooling", "convert": "classify"}).embeddings
+    shown = capabilities_of({"runner": "pooling"}).public()
+    assert not shown["json_mode"] and not shown["structured_outputs"]  # it generates no text
+    assert not capabilities_of({"tool_call_parser": "hermes"}).public()["embeddings"]
+
+
+@dataclass
+class Gateway:
+    client: httpx.AsyncClient
+    key: str
+    account_id: int
+    database_url: str
+    redis: aioredis.Redis
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"}
+
+    async def counted(self) -> tuple[int, int]:
+        """(quota units counted today, ledger rows): what a refused request must leave at zero."""
+        day = quota_window("UTC", datetime.now(UTC)).day
+        engine = create_engine(self.database_url)
+        try:
+            async with session_factory(engine)() as session:
+                rows = await session.scalar(select(func.count()).select_from(RequestRecord))
+        finally:
+            await engine.dispose()
+        return int(await self.redis.get(counter_key(self.account_id, day)) or 0), rows
+
+
+async def _heartbeat(redis: aioredis.Redis, info: WorkerInfo) -> None:
+    while True:
+        async with redis.pipeline(transaction=False) as pipe:
+            queue_beat(pipe, info, now_ms())
+            await pipe.execute()
+        await asyncio.sleep(1)
+
+
+@pytest.fixture
+async def gateway(redis_url: str, tmp_path: Path) -> AsyncIterator[Gateway]:
+    database_url = f"sqlite:///{tmp_path / 'gateway.db'}"
+    migrate(database_url)
+    engine = create_engine(database_url)
+    async with session_factory(engine)() as session:
+        account = await ensure_account(session, "acme", "pro")
+        issued = await issue_key(session, account)
+        await session.commit()
+        account_id = account.id
+    await engine.dispose()
+    redis = connect(redis_url)
+    beats = [asyncio.create_task(_heartbeat(redis, WorkerInfo(
+        worker_id=f"w-{model}", model=model, max_model_len=CONTEXT if model == EMBEDDER else 2048, capacity=8,
+        started_ms=now_ms(), extra={"engine_config": ENGINE_CONFIG} if model == EMBEDDER else {})))
+        for model in (EMBEDDER, CHAT_MODEL)]
+    # No engine answers here: a request that got through by mistake ends at this timeout, not in ten minutes.
+    settings = GatewaySettings(redis_url=redis_url, database_url=database_url, data_dir=tmp_path,
+                               request_timeout_s=10, log_format="text", log_level="warning")
+    app = create_app(settings)
+    try:
+        async with lifespan(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                                    base_url="http://gateway") as client:
+            yield Gateway(client, issued.secret, account_id, database_url, redis)
+    finally:
+        for beat in beats:
+            beat.cancel()
+        await redis.aclose()
+
+
+def _error(response: httpx.Response, status: int, code: str | None, param: str | None) -> str:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["code"], error["param"]) == (code, param), error
+    return error["message"]
+
+
+async def test_unknown_v1_routes_answer_404_in_openai_s_envelope(gateway: Gateway) -> None:
+    _error(await gateway.client.post("/v1/anything", json={}, headers=gateway.auth), 404, "not_found", None)
+    _error(await gateway.client.get("/v1/nope", headers=gateway.auth), 404, "not_found", None)
+    paths = (await gateway.client.get("/openapi.json")).json()["paths"]
+    assert set(ENDPOINT_PATHS.values()) <= set(paths)
+
+
+async def test_v1_models_shows_which_model_embeds(gateway: Gateway) -> None:
+    cards = {card["id"]: card for card in (await gateway.client.get("/v1/models", headers=gateway.auth)).json()["data"]}
+    assert cards[EMBEDDER]["capabilities"]["embeddings"] and not cards[EMBEDDER]["capabilities"]["json_mode"]
+    assert cards[EMBEDDER]["context_length"] == CONTEXT
+    assert not cards[CHAT_MODEL]["capabilities"]["embeddings"]
+
+
+def _embed(**body: Any) -> dict[str, Any]:
+    return {"model": EMBEDDER, "input": "hello", **body}
+
+
+# Each is refused before anything is counted; pro allows 256 inputs and 32,768 input tokens a request.
+REFUSED = {
+    "more inputs than the plan allows": (_embed(input=["x"] * 257), 400, "too_many_inputs", "input"),
+    "an input longer than the model's context": (_embed(input=[[7] * 10, [7] * (CONTEXT + 1)]), 400,
+                                                 "context_length_exceeded", "input[1]"),
+    "inputs together over the plan's input tokens": (_embed(input=[[7] * CONTEXT] * 129), 400, "prompt_too_long",
+                                                     "input"),
+    "dimensions on a model without Matryoshka embeddings": (_embed(dimensions=64), 400, "invalid_value",
+                                                            "dimensions"),
+    "embeddings of a chat model": ({"model": CHAT_MODEL, "input": "hello"}, 400, "unsupported_capability", "model"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+async def test_an_embeddings_request_over_a_bound_is_refused_naming_it_and_counts_nothing(
+        gateway: Gateway, case: str) -> None:
+    body, status, code, param = REFUSED[case]
+    message = _error(await gateway.client.post("/v1/embeddings", json=body, headers=gateway.auth), status, code, param)
+    assert await gateway.counted() == (0, 0), message
+
+
+async def test_a_chat_request_to_an_embedding_model_is_refused_naming_the_capability(gateway: Gateway) -> None:
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/completions", {"prompt": "hi"})):
+        message = _error(await gateway.client.post(path, json={"model": EMBEDDER, **body}, headers=gateway.auth),
+                         400, "unsupported_capability", "model")
+        assert "embedding model" in message and "/v1/embeddings" in message
+    assert await gateway.counted() == (0, 0)
