@@ -19,7 +19,7 @@ from flatfare.billing.webhooks import WebhookProcessor
 from flatfare.storage.accounts import AccountStore
 from flatfare.billing.quota import DailyQuota
 from flatfare.storage.db import create_engine, session_factory
-from flatfare.gateway import admin, billing_routes, console, health, usage
+from flatfare.gateway import admin, billing_routes, console, files, health, usage
 from flatfare.gateway.openai import routes
 from flatfare.gateway.admin.auth import AdminAuthenticator
 from flatfare.gateway.auth import Authenticator
@@ -58,7 +58,7 @@ def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
         state.sessions = sessions
         state.authenticator = Authenticator(sessions, settings.auth_cache_ttl_s)
         state.admin_auth = AdminAuthenticator(sessions, settings.auth_cache_ttl_s)
-        state.pools = Pools(redis, sessions, settings.pools_cache_ttl_s, settings.external_scaler)
+        state.pools = Pools(redis, sessions, settings.pools_cache_ttl_s)
         ledger = Ledger(sessions)
         state.plans = PlanBook(sessions, settings.plans_cache_ttl_s)
         state.quota = DailyQuota(redis, ledger.billable_counts, ledger.billable_key_counts)
@@ -72,13 +72,14 @@ def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
         state.completions = CompletionService(
             state.pools, router, Replies(redis), ledger, state.plans, state.quota,
             LaneQueue(redis, limits, state.quota, held.key), PrefixRouter(redis, settings.prefix_routing), held,
-            metrics, RequestScreen(redis), Tokenizers(redis, settings.pools_cache_ttl_s), settings.cold_start_timeout_s)
+            metrics, RequestScreen(redis), Tokenizers(redis, settings.pools_cache_ttl_s))
         state.accounts = AccountStore(sessions)
         console.start(app, settings, redis)
         state.stripe = None
         state.webhooks = WebhookProcessor(sessions, {price: plan for plan, price in settings.stripe_prices.items()})
         stop = asyncio.Event()
         background: list[asyncio.Task[None]] = []
+        background.append(files.start(state, settings, sessions, stop))
         if settings.stripe_enabled:
             state.stripe = StripeGateway(settings.stripe_config())
             sender = OutboxSender(sessions, state.stripe, settings.billing_outbox_max_backoff_s)
@@ -103,6 +104,7 @@ def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
     app.add_middleware(RequestObserver, metrics=metrics)
     app.include_router(routes.router)
     app.include_router(usage.router)
+    app.include_router(files.router)
     app.include_router(billing_routes.router)
     app.include_router(admin.router)
     app.include_router(health.router)

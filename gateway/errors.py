@@ -114,7 +114,11 @@ _MISSING = object()
 
 def validation_error(errors: list[dict[str, Any]], body: Any = None) -> APIError:
     first = errors[0]
-    param = _param_from_loc(tuple(p for p in first.get("loc", ()) if p != "body"), body)
+    loc = tuple(first.get("loc", ()))
+    if loc[:1] in (("query",), ("path",)) and len(loc) > 1:
+        param: str | None = str(loc[1])  # a query or path parameter is named as the client sent it
+    else:
+        param = _param_from_loc(tuple(p for p in loc if p != "body"), body)
     message = first.get("msg", "Invalid request")
     if param:
         message = f"Invalid value for '{param}': {message}"

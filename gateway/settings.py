@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr
@@ -25,14 +26,6 @@ class GatewaySettings(CommonSettings):
     max_body_bytes: int = 8 * 1024 * 1024
     # How long a request may wait for its worker's answer, queued and running together.
     request_timeout_s: float = 600.0
-    # A request for a model with no warm worker, admitted because a fleet supervisor or an external
-    # scaler can bring one up (or one is starting, waking or asleep), waits at most this long for a
-    # worker to take it; then it is withdrawn: 503 model_cold_start_timeout, free. request_timeout_s
-    # bounds it too.
-    cold_start_timeout_s: float = Field(default=600.0, gt=0)
-    # Something outside Flatfare starts workers for queued requests (KEDA scaling pools from zero, see
-    # deploy/k8s): every enabled catalog model is admitted without a warm worker, as if a fleet served it.
-    external_scaler: bool = False
     # After Redis lost its data (the quota counters' generation changed), a request that hears
     # nothing from any worker for this long lost its job with the data: 503 job_lost, free. Workers
     # still running such a job say so every contract.HELD_EVERY_S once their lease renewal (every
@@ -105,6 +98,26 @@ class GatewaySettings(CommonSettings):
     smtp_password: SecretStr = SecretStr("")
     smtp_from: str = "flatfare@localhost"
     smtp_starttls: bool = True
+
+    # The Files API (gateway/files/). Where the files' bytes live: "local", a folder (files_dir, default
+    # files/ in the data folder; every gateway process must see the same one), or "s3", a bucket of
+    # any S3-compatible store (AWS, MinIO, R2, ...). S3 credentials come from the fields below when
+    # set, else from boto3's usual chain (AWS_* variables, ~/.aws, an instance role).
+    files_backend: Literal["local", "s3"] = "local"
+    files_dir: Path | None = None
+    files_s3_bucket: str = ""
+    files_s3_prefix: str = ""
+    files_s3_endpoint_url: str = ""
+    files_s3_region: str = ""
+    files_s3_access_key_id: str = ""
+    files_s3_secret_access_key: SecretStr = SecretStr("")
+    # The largest file one upload may carry (OpenAI allows batch input up to 200 MB; this is what one
+    # host holds comfortably), and what each account may keep at once. Uploads cost no quota unit.
+    files_max_bytes: int = Field(default=100 * 1024 * 1024, ge=1)
+    files_account_max_bytes: int = Field(default=1024 * 1024 * 1024, ge=1)
+    files_account_max_files: int = Field(default=1000, ge=1)
+    # How often each gateway process deletes expired files (their rows, bytes and counts).
+    files_sweep_interval_s: float = Field(default=60.0, gt=0)
 
     @property
     def stripe_enabled(self) -> bool:

@@ -1,0 +1,24 @@
+"""OpenAI's Files API at ``/v1/files``: :data:`router` serves it; the lifespan calls :func:`start` once
+the database is open, which puts the :class:`~.service.FileService` on ``app.state.files`` and returns
+its expiry sweeper's task."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from flatfare.gateway.files.routes import router
+from flatfare.gateway.files.service import FileLimits, FileService
+from flatfare.gateway.files.storage import open_store
+from flatfare.gateway.settings import GatewaySettings
+
+__all__ = ["router", "start"]
+
+
+def start(state: Any, settings: GatewaySettings, sessions: async_sessionmaker[AsyncSession],
+          stop: asyncio.Event) -> asyncio.Task[None]:
+    limits = FileLimits(settings.files_max_bytes, settings.files_account_max_bytes, settings.files_account_max_files)
+    state.files = FileService(sessions, open_store(settings), limits)
+    return asyncio.create_task(state.files.run_sweeper(stop, settings.files_sweep_interval_s))
