@@ -58,7 +58,7 @@ def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
         state.sessions = sessions
         state.authenticator = Authenticator(sessions, settings.auth_cache_ttl_s)
         state.admin_auth = AdminAuthenticator(sessions, settings.auth_cache_ttl_s)
-        state.pools = Pools(redis, sessions, settings.pools_cache_ttl_s)
+        state.pools = Pools(redis, sessions, settings.pools_cache_ttl_s, settings.external_scaler)
         ledger = Ledger(sessions)
         state.plans = PlanBook(sessions, settings.plans_cache_ttl_s)
         state.quota = DailyQuota(redis, ledger.billable_counts, ledger.billable_key_counts)
@@ -72,7 +72,7 @@ def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
         state.completions = CompletionService(
             state.pools, router, Replies(redis), ledger, state.plans, state.quota,
             LaneQueue(redis, limits, state.quota, held.key), PrefixRouter(redis, settings.prefix_routing), held,
-            metrics, RequestScreen(redis), Tokenizers(redis, settings.pools_cache_ttl_s))
+            metrics, RequestScreen(redis), Tokenizers(redis, settings.pools_cache_ttl_s), settings.cold_start_timeout_s)
         state.accounts = AccountStore(sessions)
         console.start(app, settings, redis)
         state.stripe = None

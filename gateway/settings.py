@@ -26,6 +26,14 @@ class GatewaySettings(CommonSettings):
     max_body_bytes: int = 8 * 1024 * 1024
     # How long a request may wait for its worker's answer, queued and running together.
     request_timeout_s: float = 600.0
+    # A request for a model with no warm worker, admitted because a fleet supervisor or an external
+    # scaler can bring one up (or one is starting, waking or asleep), waits at most this long for a
+    # worker to take it; then it is withdrawn: 503 model_cold_start_timeout, free. request_timeout_s
+    # bounds it too.
+    cold_start_timeout_s: float = Field(default=600.0, gt=0)
+    # Something outside Flatfare starts workers for queued requests (KEDA scaling pools from zero, see
+    # deploy/k8s): every enabled catalog model is admitted without a warm worker, as if a fleet served it.
+    external_scaler: bool = False
     # After Redis lost its data (the quota counters' generation changed), a request that hears
     # nothing from any worker for this long lost its job with the data: 503 job_lost, free. Workers
     # still running such a job say so every contract.HELD_EVERY_S once their lease renewal (every
