@@ -284,6 +284,8 @@ class CompletionService:
             call.ratelimit = {**call.ratelimit, **key_ratelimit(caller.key.daily_limit, admitted.key_used)}
         # The row is written while the job runs; no answer leaves before it is committed.
         opening = None if idempotency_key else self._ledger.start_open(**row)
+        # A cold request's job is withdrawn if no engine comes up for it in time, like a queue deadline.
+        cold_until_ms = admission.created_ms + self._cold_start_ms if pool.cold else 0
         return await self._relay(admission, inbox, call, opening=opening,
                                  queued=admitted.queued if deadline_ms or cold_until_ms else None,
                                  deadline_ms=deadline_ms, cold_until_ms=cold_until_ms)
