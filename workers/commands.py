@@ -10,8 +10,9 @@ The worker BLPOPs ``worker_commands(worker_id)`` and obeys one command at a time
   claims again; the time it took is recorded as the model's ``ModelFacts.wake_s``.
 - STOP: the same drain as SIGTERM, then the process exits 0.
 
-A command issued before the worker's last state change is stale (the fleet decided on old news) and
-ignored, as is one that does not fit the state (WAKE while warm, SLEEP while asleep).
+A SLEEP or WAKE issued before the worker's last state change is stale (the fleet decided on old news)
+and ignored, as is one that does not fit the state (WAKE while warm, SLEEP while asleep). STOP is always
+obeyed.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ class Commands:
 
     async def obey(self, command: Command) -> None:
         state = self.worker.info.state
-        if command.issued_ms and command.issued_ms < self.changed_ms:
+        # A stop is never stale: the fleet counts the engine as gone once it said so.
+        if command.kind is not CommandKind.STOP and command.issued_ms and command.issued_ms < self.changed_ms:
             log.info("ignoring %s issued at %d: the worker became %s after it", command.kind.value,
                      command.issued_ms, state.value)
             return

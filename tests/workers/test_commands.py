@@ -1,8 +1,8 @@
 """A fleet's commands to a worker (contract item 8), on the worker loop with the instant engine (which
 sleeps and wakes as a GPU engine does) against a real redis-server: SLEEP stops claiming, lets the running
 job finish, puts the engine to sleep and heartbeats ``asleep``; a job queued meanwhile waits for WAKE,
-after which the worker is warm, answers it and records the wake time; STOP drains and ends the loop;
-an engine that cannot sleep refuses; a stale command is ignored."""
+after which the worker is warm, answers it and records the wake time; STOP drains and ends the loop
+(however old it is); an engine that cannot sleep refuses; a stale SLEEP or WAKE is ignored."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ async def test_stop_drains_and_ends_the_worker_even_asleep(redis, start_worker) 
     worker = await start_worker()
     await _send(redis, CommandKind.SLEEP)
     await _in_state(redis, WorkerState.ASLEEP)
-    await _send(redis, CommandKind.STOP)
+    await _send(redis, CommandKind.STOP, issued_ms=1)  # however old: obeyed
     await asyncio.wait_for(worker.task, 20)  # the loop returned: `flatfare worker` exits 0
     assert await _info(redis) is None  # deregistered
     assert await redis.zscore(contract.pool_key(POOL), "w1") is None
