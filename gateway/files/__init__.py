@@ -20,5 +20,8 @@ __all__ = ["router", "start"]
 def start(state: Any, settings: GatewaySettings, sessions: async_sessionmaker[AsyncSession],
           stop: asyncio.Event) -> asyncio.Task[None]:
     limits = FileLimits(settings.files_max_bytes, settings.files_account_max_bytes, settings.files_account_max_files)
-    state.files = FileService(sessions, open_store(settings), limits)
+    # Uploads spool in the data folder, not the system's temporary one, which may be memory (tmpfs).
+    spool = settings.data_dir / "uploads"
+    spool.mkdir(parents=True, exist_ok=True)
+    state.files = FileService(sessions, open_store(settings), limits, spool)
     return asyncio.create_task(state.files.run_sweeper(stop, settings.files_sweep_interval_s))

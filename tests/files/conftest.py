@@ -74,6 +74,10 @@ class FilesPlatform:
         folder = self.files_dir / str(account)
         return sorted(path.name for path in folder.iterdir()) if folder.exists() else []
 
+    def spooled(self) -> list[str]:
+        """Uploads still spooled on the gateway's disk (none once each upload was answered)."""
+        return [path.name for path in (self.stack.logs.parent / "uploads").iterdir()]
+
     def rows(self, account: int) -> list[tuple]:
         return self.stack.sql("SELECT id, bytes FROM files WHERE account_id = :a", a=account)
 

@@ -121,6 +121,7 @@ def test_an_oversized_upload_is_refused_with_413_and_nothing_stored(platform: Fi
     assert [row[0] for row in platform.rows(account)] == [exactly.id]
     assert platform.stored_objects(account) == [exactly.id]
     assert platform.usage(account) == (1, MAX_BYTES)
+    assert platform.spooled() == []
 
 
 @pytest.mark.parametrize(("lines", "line", "says"), [
@@ -138,7 +139,7 @@ def test_a_bad_batch_file_is_refused_naming_its_line(platform: FilesPlatform, li
     error = refused(lambda: client.files.create(file=("in.jsonl", jsonl(*lines)), purpose="batch"), 400)
     assert error["code"] == "invalid_batch_file" and error["param"] == "file"
     assert f"Line {line}:" in str(error["message"]) and says in str(error["message"]), error["message"]
-    assert platform.rows(account) == [] and platform.stored_objects(account) == []
+    assert platform.rows(account) == [] and platform.stored_objects(account) == [] and platform.spooled() == []
 
 
 def test_a_batch_file_is_accepted_and_expires_in_30_days_by_default(platform: FilesPlatform) -> None:
