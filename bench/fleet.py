@@ -271,7 +271,8 @@ def ask(base_url: str, key: str, model: str, max_tokens: int, t0: float) -> dict
 
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=key, timeout=COLD_START_TIMEOUT_S + 60, max_retries=0)
     sent = time.monotonic()
-    record: dict[str, Any] = {"model": model, "t": round(sent - t0, 2)}
+    # sent_ms: the wall clock the fleet's decisions carry, to place them within the request's wait.
+    record: dict[str, Any] = {"model": model, "t": round(sent - t0, 2), "sent_ms": int(time.time() * 1000)}
     try:
         raw = client.chat.completions.with_raw_response.create(
             model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=max_tokens, temperature=0,
@@ -346,6 +347,12 @@ def gpu_memory_used_mib() -> int | None:
     return int(done.stdout.split()[0]) if done.returncode == 0 and done.stdout.strip() else None
 
 
+def fleet_record(status: FleetStatus | None) -> dict[str, Any]:
+    """What the fleet said last: its decisions (the report places them within each request's wait)."""
+    return {"decisions": status.decisions, "host_memory_gb": status.host_memory_gb,
+            "engines": status.engines} if status else {}
+
+
 def finish(bench: FleetBench, run: Run, max_awake: int = 1) -> None:
     """The run's checks: every request answered with its ledger row, the budget never exceeded."""
     ids = [r["request_id"] for r in [*run.requests, *run.plain] if r.get("request_id")]
@@ -411,7 +418,7 @@ def run_cpu(args: argparse.Namespace) -> Run:
                 run.samples = sampler.samples
                 rotate(bench, run, [m for _ in range(args.rounds) for m in models for _ in range(2)],
                        args.max_tokens, t0)
-            run.meta["fleet_decisions"] = (bench.status() or FleetStatus("", "")).decisions
+            run.meta["fleet"] = fleet_record(bench.status())
             run.meta["facts"] = {m: bench.facts(m) for m in models}
             fleet.stop(FLEET_STOP_TIMEOUT_S + 30)  # gemma's start by hand, as its first start was: alone
             plain_start(bench, run, GEMMA, args.max_tokens, t0)
@@ -453,9 +460,7 @@ def run_gpu(args: argparse.Namespace) -> Run:
             with Sampler(bench, models, t0) as sampler:
                 run.samples = sampler.samples
                 rotate(bench, run, sequence, args.max_tokens, t0, args.end_by)
-            status = bench.status()
-            run.meta["fleet"] = {"decisions": status.decisions, "host_memory_gb": status.host_memory_gb,
-                                 "engines": status.engines} if status else {}
+            run.meta["fleet"] = fleet_record(bench.status())
             run.meta["facts"] = {m: bench.facts(m) for m in models}
             finish(bench, run)
         finally:

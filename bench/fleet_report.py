@@ -41,13 +41,25 @@ def checks_lines(data: dict[str, Any]) -> list[str]:
             "by the workers' heartbeats (awake: any state but asleep)."]
 
 
+def fleet_steps(data: dict[str, Any], record: dict[str, Any]) -> str:
+    """The fleet's decisions while the request waited for its first token, ms after it was sent."""
+    sent = record.get("sent_ms")
+    if not sent or "ttft_s" not in record:
+        return "-"
+    until = sent + record["ttft_s"] * 1000
+    steps = [f"{d['action']} {d['model']} +{d['t'] - sent} ms"
+             for d in data["meta"].get("fleet", {}).get("decisions", []) if sent <= d["t"] <= until]
+    return "; ".join(steps) or "-"
+
+
 def request_table(data: dict[str, Any]) -> list[str]:
-    lines = ["| # | at (s) | model | met | status | ledger | TTFT (s) | model wait (ms) | GPU MiB after |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| # | at (s) | model | met | status | ledger | TTFT (s) | model wait (ms) | the fleet meanwhile | "
+             "GPU MiB after |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for n, r in enumerate(sorted(data["requests"] + data.get("plain", []), key=lambda r: r["t"]), 1):
         kind = r["kind"] + (f" (warm after {r['warm_s']} s)" if "warm_s" in r else "")
         lines.append(f"| {n} | {r['t']} | {r['model']} | {kind} | {r.get('status')} | {r.get('ledger', '-')} | "
-                     f"{_fmt(r.get('ttft_s'))} | {_fmt(r.get('model_wait_ms'))} | {_fmt(r.get('gpu_memory_used_mib'))} |")
+                     f"{_fmt(r.get('ttft_s'))} | {_fmt(r.get('model_wait_ms'))} | {fleet_steps(data, r)} | "
+                     f"{_fmt(r.get('gpu_memory_used_mib'))} |")
     return lines
 
 

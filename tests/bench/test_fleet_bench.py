@@ -70,7 +70,7 @@ def test_cpu_mode_rotates_three_models_through_one_engine_beside_plain_starts(tm
     assert all(p["warm_s"] > 0 for p in data["plain"])
     assert_nothing_lost(data)
     # The catalog held the three as the fleet's only models, on demand.
-    assert {d["model"] for d in data["meta"]["fleet_decisions"] if d["action"] == "start"} == set(models)
+    assert {d["model"] for d in data["meta"]["fleet"]["decisions"] if d["action"] == "start"} == set(models)
     assert_reports(out, "| smollm2-copy |", "lost: **0**", "| 1 |")
 
 
