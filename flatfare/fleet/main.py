@@ -10,7 +10,7 @@ import uvloop
 
 from flatfare.fleet.metrics import FleetMetrics
 from flatfare.fleet.settings import FleetSettings
-from flatfare.fleet.supervisor import Supervisor
+from flatfare.fleet.supervisor import FleetRunning, Supervisor
 from flatfare.logs import configure_logging
 from flatfare.redis_conn import connect
 from flatfare.storage.db import create_engine, session_factory
@@ -44,4 +44,7 @@ def main(settings: FleetSettings) -> None:
     if not settings.redis_url:
         raise FleetError("set FLATFARE_REDIS_URL: the fleet's workers need the Redis their gateways use")
     configure_logging(settings.log_level, settings.log_format, log_prompts=settings.log_prompts)
-    uvloop.run(serve(settings))
+    try:
+        uvloop.run(serve(settings))
+    except FleetRunning as exc:
+        raise FleetError(str(exc)) from exc

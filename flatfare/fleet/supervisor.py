@@ -43,6 +43,10 @@ DECISIONS_KEPT = 50
 COMMANDS_TTL_S = 60
 
 
+class FleetRunning(Exception):
+    """Another fleet with this id is running: two would fight over the same workers."""
+
+
 def now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -67,12 +71,18 @@ class Supervisor:
         # Models of fleet_preload not yet warm once: they count as asked for until then.
         self.preload = set(settings.fleet_preload)
         self._started: dict[str, int] = {}
+        # Workers of an earlier run of this fleet (same id) told to stop.
+        self.orphans: set[str] = set()
         self._catalog_at = 0.0
         self._status_at = 0.0
 
     # -- the loop ---------------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
+        if await self.redis.exists(contract.fleet_key(self.settings.fleet_id)):
+            raise FleetRunning(f"fleet {self.settings.fleet_id!r} is running already (its status is in Redis); "
+                               "give this one another FLATFARE_FLEET_ID, or stop that one (a fleet that died "
+                               f"leaves its status for {contract.FLEET_TTL_S} s)")
         log.info("fleet %s: slots %s (%s), at most %d awake, %.1f GiB of host memory for sleepers",
                  self.settings.fleet_id, ",".join(self.budget.slots), "gpu" if self.budget.gpu else "cpu",
                  self.budget.max_awake, self.budget.host_memory_gb)
@@ -179,6 +189,13 @@ class Supervisor:
             for worker_id in others:
                 pipe.hgetall(contract.worker_key(worker_id))
             infos = [WorkerInfo.from_fields(f) for f in await pipe.execute() if f]
+        for orphan in (i for i in infos if i.fleet == self.settings.fleet_id and i.worker_id not in self.orphans):
+            # Started by an earlier run of this fleet that died without stopping it: nobody owns it.
+            self.orphans.add(orphan.worker_id)
+            await self.redis.rpush(contract.worker_commands(orphan.worker_id),
+                                   Command(CommandKind.STOP, issued_ms=now_ms()).encode())
+            self.record_event("stop", orphan.model, orphan.worker_id,
+                              "left running by an earlier run of this fleet (a stop command)")
         return [Engine(i.worker_id, i.model, i.state, inflight=i.inflight, last_used_ms=i.last_used_ms, own=False)
                 for i in infos]
 

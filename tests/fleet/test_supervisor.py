@@ -230,3 +230,24 @@ def test_fleet_status_and_the_admin_api_show_the_engines_and_decisions(stack: St
         assert fleets_of("m1") == []
     assert "no fleet is running" in stack.cli("fleet", "status").stdout
     assert httpx.get(f"{stack.base_url}/admin/v1/fleets", headers=admin, timeout=10).json()["data"] == []
+
+
+def test_one_fleet_per_id_and_a_dead_fleets_workers_are_stopped_by_its_successor(stack: Stack) -> None:
+    with fleet(stack, "--model", "m2", "--preload", "m2", "--gpus", "cpu") as first:
+        second = subprocess.run([sys.executable, "-m", "flatfare", "fleet", "--model", "m2"], capture_output=True,
+                                text=True, timeout=60, env={**stack.env, "FLATFARE_FLEET_ID": FLEET}, check=False)
+        assert second.returncode == 2 and f"fleet '{FLEET}' is running already" in second.stderr, second.stderr
+        eventually(lambda: status(stack), lambda s: any(e["state"] == "warm" for e in s.engines.values()),
+                   "m2 warm", timeout_s=UP_WITHIN_S)
+        [orphan] = pool_members(stack)
+        # The fleet dies without stopping its worker, which lives on in a session of its own.
+        first.kill()
+        first.wait()
+        eventually(lambda: status(stack), lambda s: s is None, "the dead fleet's status expired", timeout_s=30)
+        assert pool_members(stack) == {orphan}
+        first.returncode = 0  # for the context manager: this fleet is dealt with
+        with fleet(stack, "--model", "m2", "--gpus", "cpu"):
+            eventually(lambda: pool_members(stack), lambda members: not members, "the orphan stopped",
+                       timeout_s=UP_WITHIN_S)
+            [told] = decisions(stack, "stop", "m2")
+            assert told["worker_id"] == orphan and "earlier run of this fleet" in told["why"]
