@@ -160,6 +160,11 @@ class EmbeddingRequest(_Body):
     dimensions: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None
 
+    @property
+    def stream(self) -> bool:
+        """Embeddings come back whole (the ledger's ``stream`` column)."""
+        return False
+
     def inputs(self) -> list[str] | list[list[int]]:
         """The inputs, one entry each: texts, or token-id lists."""
         given = self.input

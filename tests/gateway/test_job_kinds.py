@@ -193,3 +193,18 @@ async def test_a_chat_request_to_an_embedding_model_is_refused_naming_the_capabi
                          400, "unsupported_capability", "model")
         assert "embedding model" in message and "/v1/embeddings" in message
     assert await gateway.counted() == (0, 0)
+
+
+async def test_an_embeddings_request_within_its_bounds_is_admitted_and_recorded(gateway: Gateway) -> None:
+    """No engine answers here: the request is admitted (its unit counted, its row written) and ends at the
+    gateway's timeout, free. That it is answered is tests/e2e/test_embeddings.py's, on the real engine."""
+    response = await gateway.client.post("/v1/embeddings", json=_embed(input=["a", "b"]), headers=gateway.auth)
+    _error(response, 504, "timeout", None)
+    assert await gateway.counted() == (0, 1)  # its unit given back; one ledger row
+    engine = create_engine(gateway.database_url)
+    try:
+        async with session_factory(engine)() as session:
+            row = (await session.scalars(select(RequestRecord))).one()
+    finally:
+        await engine.dispose()
+    assert (row.endpoint, row.model, row.stream, row.billable) == ("embeddings", EMBEDDER, False, False)
