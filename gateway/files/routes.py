@@ -8,9 +8,10 @@ from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from flatfare.gateway.deps import CurrentCaller
-from flatfare.gateway.errors import ERROR_RESPONSES
+from flatfare.gateway.errors import ERROR_RESPONSES, APIError
 from flatfare.gateway.files.protocol import UPLOAD_PURPOSES, FileDeleted, FileList, FileObject
 from flatfare.gateway.files.service import FileService
 
@@ -38,8 +39,12 @@ _UPLOAD_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {"m
 async def upload_file(request: Request, caller: CurrentCaller, files: FilesDep) -> FileObject:
     """Upload a file (multipart: ``file``, ``purpose``, optional ``expires_after``)."""
     length = request.headers.get("content-length")
-    return await files.upload(caller.account_id, request.stream(), request.headers.get("content-type", ""),
-                              int(length) if length and length.isdigit() else None)
+    try:
+        return await files.upload(caller.account_id, request.stream(), request.headers.get("content-type", ""),
+                                  int(length) if length and length.isdigit() else None)
+    except ClientDisconnect:
+        # The client's fault, not the platform's (no 500): nothing was stored, the spool went with it.
+        raise APIError(400, "The upload ended before its body did.", param="file", code="upload_incomplete") from None
 
 
 @router.get("/files")

@@ -7,9 +7,11 @@ ledger row."""
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
+from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -225,3 +227,26 @@ def test_an_expired_file_is_gone_and_swept(platform: FilesPlatform) -> None:
     refused(lambda: client.files.retrieve(stored.id), 404)
     eventually(lambda: (platform.stored_objects(account), platform.rows(account), platform.usage(account)),
                lambda seen: seen == ([], [], (0, 0)), "the expired file swept")
+
+
+def answered(platform: FilesPlatform, status: int) -> float:
+    """Uploads the gateway (all its processes) answered with ``status``, from its /metrics."""
+    text = httpx.get(f"{platform.stack.base_url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("flatfare_requests_total{") and 'route="/v1/files"' in line
+               and f'status="{status}"' in line)
+
+
+def test_an_upload_cut_off_midway_stores_nothing_and_is_no_server_error(platform: FilesPlatform) -> None:
+    account, client = platform.new_account()
+    before = answered(platform, 400), answered(platform, 500)
+    form = (b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nuser_data\r\n'
+            b'--b\r\nContent-Disposition: form-data; name="file"; filename="cut.bin"\r\n\r\n' + b"c" * 100_000)
+    address = urlsplit(platform.stack.base_url)
+    with socket.create_connection((address.hostname, address.port)) as conn:  # closed with the body half sent
+        conn.sendall(b"POST /v1/files HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+                     b"Authorization: Bearer " + client.api_key.encode() + b"\r\n"
+                     b"Content-Length: " + str(len(form) + 500_000).encode() + b"\r\n\r\n" + form)
+    eventually(lambda: answered(platform, 400), lambda seen: seen == before[0] + 1, "the cut-off upload answered")
+    assert answered(platform, 500) == before[1]
+    assert platform.rows(account) == [] and platform.stored_objects(account) == [] and platform.spooled() == []
