@@ -51,6 +51,11 @@ Request path in Redis terms:
    which the worker BLPOPs. An asleep worker heartbeats ``asleep`` and claims nothing. What every start
    and wake took is kept in ``model_facts_key(model)`` (a hash, no expiry), so a gateway can say how long
    a cold model will take and check a prompt's length against a model with no live worker.
+9. The Batch API: one gateway process at a time (``BATCH_LEADER_KEY``) XADDs a batch's lines, a few
+   at a time, as jobs straight into the pool's batch lane, ``job_stream(model, Lane.BATCH)`` (no
+   accounts' queues, no quota), only while both live lanes have nothing queued. A worker's claim
+   script reads it after the live lanes, and only while they have nothing waiting and the worker
+   has free slots beyond a reserve kept for live traffic. Replies go to ``BATCH_REPLIES``.
 """
 
 from __future__ import annotations
@@ -83,11 +88,17 @@ GATEWAYS_KEY = f"{PREFIX}:gateways"
 class Lane(StrEnum):
     PREMIUM = "premium"
     STANDARD = "standard"
+    # Batch API lines (item 9 above): taken only with capacity the live lanes leave idle.
+    BATCH = "batch"
 
     @property
     def priority(self) -> int:
         """vLLM's request priority (``--scheduling-policy priority``): lower runs first."""
-        return 0 if self is Lane.PREMIUM else 10
+        return {Lane.PREMIUM: 0, Lane.STANDARD: 10}.get(self, 20)
+
+
+# The lanes clients wait on; the batch lane is fed by the gateway's batch dispatcher, not admission.
+LIVE_LANES = (Lane.PREMIUM, Lane.STANDARD)
 
 
 def pool_name(model: str, dedicated: str | None = None) -> str:
@@ -227,6 +238,18 @@ def key_inflight_key(key_id: int | str) -> str:
 
 # The gateway process that delivers the meter-event outbox to Stripe holds this lease (its id).
 OUTBOX_LEADER_KEY = f"{PREFIX}:billing:outbox-leader"
+
+# The Batch API (item 9 above): the gateway process that dispatches batch lines holds this lease (its
+# id); every line's job names BATCH_REPLIES as its reply_to, which the dispatcher reads through the
+# consumer group BATCH_GROUP, so replies that arrive while no dispatcher runs wait for the next one.
+BATCH_LEADER_KEY = f"{PREFIX}:batches:leader"
+BATCH_REPLIES = f"{PREFIX}:batches:replies"
+BATCH_GROUP = "dispatcher"
+
+
+def batch_request_id(batch_id: str, index: int) -> str:
+    """A batch line's request id (its job's, its ledger row's): unique per batch and line."""
+    return f"{batch_id}-{index}"
 
 
 TOKENIZER_DIGEST = "digest"

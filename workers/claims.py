@@ -1,6 +1,6 @@
 """How a worker takes jobs: its own stream first, then the premium lane, then the standard lane,
-with a guaranteed share for standard, and within a lane one job per account in turn; lease renewal;
-taking over the jobs of dead workers.
+with a guaranteed share for standard, and within a lane one job per account in turn, then the batch
+lane with what capacity the live lanes leave idle; lease renewal; taking over the jobs of dead workers.
 """
 
 from __future__ import annotations
@@ -17,14 +17,15 @@ Entry = tuple[bytes, dict[bytes, bytes]]
 
 # One claim pass, without blocking. KEYS: 1 the worker's own stream, 2 and 3 the premium and the
 # standard lane's streams, 4 and 5 their rings of accounts, 6 and 7 their queued counters, 8 the pool's
-# wake stream. ARGV: 1 consumer group, 2 consumer, 3 free slots, 4 of them the standard lane may take,
-# 5 '1' when standard's earned slot comes first, 6 and 7 the premium and standard account queues' key
-# prefix (the account id follows).
+# wake stream, 9 the batch lane's stream. ARGV: 1 consumer group, 2 consumer, 3 free slots, 4 of them the
+# standard lane may take, 5 '1' when standard's earned slot comes first, 6 and 7 the premium and standard
+# account queues' key prefix (the account id follows), 8 slots the batch lane may take (the free ones
+# beyond the reserve kept for live traffic).
 # A lane is served one job per account in turn: the next account of the ring (LMOVE rotates it to
 # the back) gives its oldest job, which moves into the lane's stream; the lane's stream is then read
 # through the consumer group, so a job taken is pending there, under this worker's lease, exactly as
 # before. An account whose queue empties leaves the ring. Returns {taken, wake}: taken = {{i, entries},
-# ...} (i: 1 own, 2 premium, 3 standard) and wake = the wake stream's last id, to block from.
+# ...} (i: 1 own, 2 premium, 3 standard, 4 batch) and wake = the wake stream's last id, to block from.
 _PASS = """
 local group, consumer = ARGV[1], ARGV[2]
 local free, standard_free = tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -72,7 +73,14 @@ if ARGV[5] == '1' and standard_free > 0 then
   free, standard_free = free - got, standard_free - got
 end
 free = free - serve(2, free)
-serve(3, math.min(free, standard_free))
+free = free - serve(3, math.min(free, standard_free))
+-- Batch jobs only with slots to spare and nothing waiting on either live lane: a live request
+-- admitted now still finds this worker's reserve, and one already waiting is taken first.
+local batch_free = math.min(free, tonumber(ARGV[8]))
+if batch_free > 0 and tonumber(redis.call('GET', KEYS[6]) or '0') <= 0
+    and tonumber(redis.call('GET', KEYS[7]) or '0') <= 0 then
+  read(4, KEYS[9], batch_free)
+end
 local last = redis.call('XREVRANGE', KEYS[8], '+', '-', 'COUNT', 1)
 return {taken, last[1] and last[1][1] or '0-0'}
 """
@@ -127,10 +135,11 @@ class Claimer:
         # account_queue(model, lane, "") is the prefix every account id completes.
         self.queue_prefixes = {lane: contract.account_queue(model, lane, "") for lane in lanes}
         self.wake = contract.wake_stream(model)
+        self.batch = contract.job_stream(model, Lane.BATCH)
         self._pass_script = redis.register_script(_PASS)
 
     async def setup(self) -> None:
-        for stream in (self.own, *self.lanes.values()):
+        for stream in (self.own, *self.lanes.values(), self.batch):
             await ensure_group(self.redis, stream)
 
     async def _read(self, stream: str, count: int, block: int | None = None) -> list[Entry]:
@@ -138,25 +147,28 @@ class Claimer:
                                              block=block)
         return [entry for _stream, entries in result or [] for entry in entries]
 
-    async def claim(self, free: int, block_ms: int = 1000, standard_free: int | None = None) -> list[Claimed]:
+    async def claim(self, free: int, block_ms: int = 1000, standard_free: int | None = None,
+                    batch_free: int = 0) -> list[Claimed]:
         """Up to ``free`` new jobs, in lane order, at most ``standard_free`` of them (default: all)
-        from the standard lane; blocks up to ``block_ms`` when there are none."""
-        claimed, wake = await self._pass(free, free if standard_free is None else standard_free)
+        from the standard lane and ``batch_free`` from the batch lane; blocks up to ``block_ms`` when
+        there are none."""
+        claimed, wake = await self._pass(free, free if standard_free is None else standard_free, batch_free)
         if claimed or free <= 0:
             return claimed
         # Nothing anywhere: wait for the next admission to this pool (from the id the pass saw, so
         # one that came in since is not missed), then look once more.
         await self.redis.xread({self.wake: wake}, count=1, block=block_ms)
-        claimed, _ = await self._pass(free, free if standard_free is None else standard_free)
+        claimed, _ = await self._pass(free, free if standard_free is None else standard_free, batch_free)
         return claimed
 
-    async def _pass(self, free: int, standard_free: int) -> tuple[list[Claimed], bytes | str]:
+    async def _pass(self, free: int, standard_free: int, batch_free: int = 0) -> tuple[list[Claimed], bytes | str]:
         premium, standard = self.lanes[Lane.PREMIUM], self.lanes[Lane.STANDARD]
-        keys = [self.own, premium, standard, *self.rings.values(), *self.queued.values(), self.wake]
+        keys = [self.own, premium, standard, *self.rings.values(), *self.queued.values(), self.wake, self.batch]
         args = [contract.POOL_GROUP, self.worker_id, free, standard_free, int(self.share.standard_first()),
-                *self.queue_prefixes.values()]
+                *self.queue_prefixes.values(), batch_free]
         taken, wake = await self._pass_script(keys=keys, args=args)
-        streams = {1: (self.own, None), 2: (premium, Lane.PREMIUM), 3: (standard, Lane.STANDARD)}
+        streams = {1: (self.own, None), 2: (premium, Lane.PREMIUM), 3: (standard, Lane.STANDARD),
+                   4: (self.batch, Lane.BATCH)}
         claimed: list[Claimed] = []
         for index, entries in taken:
             stream, lane = streams[int(index)]
@@ -197,7 +209,7 @@ class Claimer:
     async def take_over(self, free: int, lease_ms: int, live_workers: set[str]) -> list[Claimed]:
         """Jobs whose worker stopped renewing them (it died), and jobs routed to dead workers."""
         claimed: list[Claimed] = []
-        for lane, stream in self.lanes.items():
+        for lane, stream in (*self.lanes.items(), (Lane.BATCH, self.batch)):
             if free <= 0:
                 break
             _next, entries, *_ = await self.redis.xautoclaim(stream, contract.POOL_GROUP, self.worker_id,

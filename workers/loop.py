@@ -79,8 +79,11 @@ class WorkerLoop:
     def __init__(self, redis: aioredis.Redis, engine: EngineLike, info: WorkerInfo,
                  drain_timeout_s: float = 30.0, metrics: WorkerMetrics | None = None,
                  lease_s: float = contract.DEFAULT_LEASE_S, presence: Presence | None = None,
-                 premium_reserve: int = 0) -> None:
+                 premium_reserve: int = 0, batch_reserve: int | None = None) -> None:
         self.redis = redis
+        # Slots batch lines may not fill, kept for live traffic: a live request admitted while a batch
+        # runs is claimed at once (None: a quarter of the capacity, at least one).
+        self.batch_reserve = max(info.capacity // 4, 1) if batch_reserve is None else batch_reserve
         # Slots the standard lane may not fill: under a standard backlog a premium job still finds
         # one free (and vLLM's priority scheduling runs it first), instead of waiting for one to end.
         self.premium_reserve = premium_reserve
@@ -201,7 +204,8 @@ class WorkerLoop:
             standard = sum(1 for _, _, job in self.entries.values() if job.lane is Lane.STANDARD)
             standard_free = min(free, max(self.info.capacity - self.premium_reserve - standard, 0))
             try:
-                claimed = await self.claimer.claim(free, standard_free=standard_free)
+                claimed = await self.claimer.claim(free, standard_free=standard_free,
+                                                   batch_free=max(free - self.batch_reserve, 0))
             except REDIS_DOWN as exc:
                 await self._redis_failed(exc)
                 continue

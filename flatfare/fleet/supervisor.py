@@ -23,7 +23,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from flatfare import contract
-from flatfare.contract import Command, CommandKind, FleetStatus, Lane, WorkerInfo, WorkerState
+from flatfare.contract import Command, CommandKind, FleetStatus, WorkerInfo, WorkerState
 from flatfare.fleet.children import Child, Told, last_line, log_name, spawn
 from flatfare.fleet.metrics import FleetMetrics
 from flatfare.fleet.plan import HOLDING, Act, Action, Budget, Engine, Failure, FleetModel, Plan, decide
@@ -163,7 +163,7 @@ class Supervisor:
         names = sorted(self.models)
         async with self.redis.pipeline(transaction=False) as pipe:
             for name in names:
-                for lane in Lane:
+                for lane in contract.LIVE_LANES:
                     pipe.get(contract.queued_key(name, lane))
             counts = await pipe.execute()
         return {name: sum(int(c or 0) for c in counts[2 * i:2 * i + 2]) for i, name in enumerate(names)}
