@@ -262,7 +262,7 @@ class Engine:
         self.lora_enabled = config.lora_config is not None
         if config.model_config.enable_sleep_mode:
             self.sleep_unavailable = ""
-        elif self._sleep_mode:
+        elif not current_platform.is_sleep_mode_available():
             self.sleep_unavailable = (f"vLLM's {current_platform.device_type} build has no sleep mode "
                                       "(is_sleep_mode_available() is False)")
         else:

@@ -1,5 +1,6 @@
 """A fleet's worker on the real vLLM CPU engine: started with FLATFARE_SLEEP_MODE=1 it still starts
-(vLLM's CPU build has no sleep mode, so the engine starts without it), says while starting what the
+(vLLM's CPU build has no sleep mode, so the engine starts without it; without the setting the refusal
+says the same: the CPU, not the setting, is why), says while starting what the
 engine is doing (phases read from vLLM's own log records, written by its engine processes), records the
 model's start time and context length once warm, refuses SLEEP (stays warm, says why in its heartbeat,
 keeps serving) and exits 0 on STOP: what a fleet does with an idle CPU engine."""
@@ -22,10 +23,11 @@ pytestmark = pytest.mark.e2e
 VLLM_PHASES = {"loading weights", "compiling for the CPU", "compiling the model", "capturing graphs", "warming up"}
 
 
-@pytest.fixture(scope="module")
-def cpu_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealWorker]:
+@pytest.fixture(scope="module", params=["1", "0"], ids=["sleep-mode-asked", "sleep-mode-not-asked"])
+def cpu_worker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealWorker]:
+    """Asked for sleep mode (as a fleet on a GPU host would) or not: on the CPU the answer is the same."""
     with real_worker(tmp_path_factory.mktemp("sleep"), engine_options={"enforce_eager": True},
-                     env={"FLATFARE_SLEEP_MODE": "1"}, args=("--fleet", "fleet-cpu")) as worker:
+                     env={"FLATFARE_SLEEP_MODE": request.param}, args=("--fleet", "fleet-cpu")) as worker:
         yield worker
 
 
