@@ -250,3 +250,13 @@ def test_an_upload_cut_off_midway_stores_nothing_and_is_no_server_error(platform
     eventually(lambda: answered(platform, 400), lambda seen: seen == before[0] + 1, "the cut-off upload answered")
     assert answered(platform, 500) == before[1]
     assert platform.rows(account) == [] and platform.stored_objects(account) == [] and platform.spooled() == []
+
+
+def test_an_upload_announced_too_large_is_refused_before_its_body(platform: FilesPlatform) -> None:
+    _, client = platform.new_account()
+    address = urlsplit(platform.stack.base_url)
+    with socket.create_connection((address.hostname, address.port), timeout=60) as conn:
+        conn.sendall(b"POST /v1/files HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+                     b"Authorization: Bearer " + client.api_key.encode() + b"\r\nContent-Length: 10000000000\r\n\r\n")
+        head = conn.recv(65536)  # 10 GB announced, none sent: only a refusal that reads nothing answers
+    assert head.startswith(b"HTTP/1.1 413"), head[:200]
