@@ -138,6 +138,17 @@ def gave_up(fleet: contract.FleetStatus | None, model: str) -> str:
     return crashes[-1]["why"] if len(crashes) >= GIVE_UP_AFTER_CRASHES else ""
 
 
+def phase_changes(fleet: contract.FleetStatus | None, phases: dict[str, str]) -> list[str]:
+    """Models whose starting engine moved to another phase since ``phases`` (updated), so a start after
+    the key was printed shows its progress too, one line a phase."""
+    now = {e["model"]: e.get("phase") or e["state"] for e in (fleet.engines.values() if fleet else ())
+           if e["state"] == "starting"}
+    changed = [model for model, phase in sorted(now.items()) if phases.get(model) != phase]
+    phases.clear()
+    phases.update(now)
+    return changed
+
+
 def _news(fleet: contract.FleetStatus | None, seen_ms: int) -> tuple[list[str], int]:
     """The fleet's decisions since ``seen_ms``, as lines; the newest decision's time."""
     if fleet is None:
@@ -275,6 +286,7 @@ def run_up(options: UpOptions) -> int:
         gateway_log = logs / "gateway.log"
         mail_offset = gateway_log.stat().st_size if gateway_log.exists() else 0
         seen_ms = int(time.time() * 1000)
+        phases: dict[str, str] = {}
         while not stop_requested:
             for name, child in children:
                 if child.poll() is not None:
@@ -283,7 +295,10 @@ def run_up(options: UpOptions) -> int:
             mail_offset = _print_console_emails(gateway_log, mail_offset)
             # What the fleet does for a request (a model starting, another stopped) is news to whoever
             # waits for the answer.
-            lines, seen_ms = _news(_fleet_status(client), seen_ms)
+            fleet = _fleet_status(client)
+            lines, seen_ms = _news(fleet, seen_ms)
+            for model in phase_changes(fleet, phases):
+                lines.append(progress(fleet, model, _start_time(client, model), int(time.time() * 1000)))
             for line in lines:
                 console.print(line, soft_wrap=True, highlight=False, markup=False)
             time.sleep(0.5)

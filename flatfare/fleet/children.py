@@ -82,10 +82,8 @@ class Child:
                       inflight=info.inflight if info else 0, sleep_level=level)
 
     def phase(self) -> str:
-        """What a starting engine is doing, from its heartbeat (or its log's last line)."""
-        if self.info is not None and self.info.extra.get("phase"):
-            return str(self.info.extra["phase"])
-        return last_line(self.log_path)
+        """What a starting engine is doing, as its heartbeat says ("" before its first)."""
+        return str(self.info.extra.get("phase") or "") if self.info is not None else ""
 
     def terminate(self) -> None:
         self.stopping = True

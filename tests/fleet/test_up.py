@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flatfare.cli.up import FIRST_START, GIVE_UP_AFTER_CRASHES, UpOptions, gave_up, progress
+from flatfare.cli.up import FIRST_START, GIVE_UP_AFTER_CRASHES, UpOptions, gave_up, phase_changes, progress
 from flatfare.contract import FleetStatus
 
 NOW = 1_000_000_000
@@ -43,3 +43,14 @@ def test_up_gives_up_on_a_first_model_that_keeps_failing_and_says_why() -> None:
     assert gave_up(crashed(GIVE_UP_AFTER_CRASHES - 1), "m") == ""
     assert gave_up(crashed(GIVE_UP_AFTER_CRASHES, model="other"), "m") == ""
     assert gave_up(crashed(GIVE_UP_AFTER_CRASHES), "m") == f"error {GIVE_UP_AFTER_CRASHES - 1}"
+
+
+def test_a_start_after_the_key_shows_one_line_a_phase() -> None:
+    phases: dict[str, str] = {}
+    assert phase_changes(None, phases) == []
+    assert phase_changes(_fleet(phase="preparing the model"), phases) == ["m"]
+    assert phase_changes(_fleet(phase="preparing the model"), phases) == []
+    assert phase_changes(_fleet(phase="loading weights"), phases) == ["m"]
+    assert phase_changes(_fleet(state="warm", phase=""), phases) == []
+    # Started again later: its phases are news again.
+    assert phase_changes(_fleet(phase="preparing the model"), phases) == ["m"]
