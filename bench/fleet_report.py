@@ -173,7 +173,7 @@ def plot(data: dict[str, Any], path: Path) -> bool:
     ttft.set_yscale("log")
     ttft.set_ylabel("TTFT (s, client)")
     ttft.set_xlabel("seconds since the run started (a request's point: when it was sent)")
-    ttft.legend(loc="upper right", fontsize=7, ncol=5)
+    ttft.legend(loc="center right", fontsize=7, ncol=5)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
