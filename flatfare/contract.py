@@ -306,6 +306,7 @@ class Endpoint(StrEnum):
     CHAT = "chat"
     COMPLETION = "completion"
     EMBEDDINGS = "embeddings"
+    RESPONSES = "responses"
 
     @property
     def path(self) -> str:
@@ -314,7 +315,7 @@ class Endpoint(StrEnum):
 
 
 ENDPOINT_PATHS = {Endpoint.CHAT: "/v1/chat/completions", Endpoint.COMPLETION: "/v1/completions",
-                  Endpoint.EMBEDDINGS: "/v1/embeddings"}
+                  Endpoint.EMBEDDINGS: "/v1/embeddings", Endpoint.RESPONSES: "/v1/responses"}
 
 
 class WorkerState(StrEnum):

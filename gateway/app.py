@@ -31,6 +31,9 @@ from flatfare.gateway.metrics import router as metrics_router
 from flatfare.gateway.openai.asgi import CompletionRoutes
 from flatfare.gateway.prefix_routing import PrefixRouter
 from flatfare.gateway.plans import PlanBook
+from flatfare.gateway.responses import routes as responses_routes
+from flatfare.gateway.responses.service import ResponsesService
+from flatfare.gateway.responses.store import ResponseStore
 from flatfare.gateway.queueing import LaneLimits, LaneQueue
 from flatfare.gateway.pools import Pools
 from flatfare.gateway.quota_headers import RateLimitHeaders
@@ -73,6 +76,8 @@ def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
             state.pools, router, Replies(redis), ledger, state.plans, state.quota,
             LaneQueue(redis, limits, state.quota, held.key), PrefixRouter(redis, settings.prefix_routing), held,
             metrics, RequestScreen(redis), Tokenizers(redis, settings.pools_cache_ttl_s), settings.cold_start_timeout_s)
+        state.response_store = ResponseStore(sessions)
+        state.responses = ResponsesService(state.completions, state.response_store)
         state.accounts = AccountStore(sessions)
         console.start(app, settings, redis)
         state.stripe = None
@@ -103,6 +108,7 @@ def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
     app.add_middleware(RateLimitHeaders)
     app.add_middleware(RequestObserver, metrics=metrics)
     app.include_router(routes.router)
+    app.include_router(responses_routes.router)
     app.include_router(usage.router)
     app.include_router(files.router)
     app.include_router(billing_routes.router)

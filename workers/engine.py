@@ -156,6 +156,8 @@ SERVING = {
     # Flatfare's embeddings carry texts or token ids (never chat messages): vLLM's completion-style request.
     Endpoint.EMBEDDINGS: Serving((("vllm.entrypoints.pooling.embed.protocol", "EmbeddingCompletionRequest"),),
                                  "serving_embedding", None),
+    Endpoint.RESPONSES: Serving((("vllm.entrypoints.openai.responses.protocol", "ResponsesRequest"),),
+                                "openai_serving_responses", "create_responses"),
 }
 
 SLEEP_FLAG = "--enable-sleep-mode"
@@ -329,6 +331,8 @@ class Engine:
                 400, f"The model {self._served} does not serve {endpoint.path}: its engine has no such task.",
                 "model"))
         request_cls, handler = serving
+        if endpoint is Endpoint.RESPONSES:
+            _as_response_request(body)
         from pydantic import ValidationError
 
         try:
@@ -344,14 +348,15 @@ class Engine:
         except self._client_errors as exc:
             return EngineResult(error_status=400, error=_error(400, str(exc), getattr(exc, "parameter", None)))
         if hasattr(result, "__aiter__"):
-            return EngineResult(stream=result)
+            return EngineResult(stream=_response_events(result) if endpoint is Endpoint.RESPONSES else result)
         if isinstance(getattr(result, "body", None), bytes):  # a pooling serving's JSONResponse
             return EngineResult(body=result.body.decode())
         if hasattr(result, "error") and type(result).__name__ == "ErrorResponse":
             info = result.error
             status = int(info.code) if isinstance(info.code, int) else 400
             return EngineResult(error_status=status, error=_error(status, info.message, info.param))
-        return EngineResult(body=result.model_dump_json())
+        # A response's text format names its schema by alias ("schema"), as vLLM's own route sends it.
+        return EngineResult(body=result.model_dump_json(by_alias=endpoint is Endpoint.RESPONSES))
 
     def unfinished_requests(self) -> int:
         """Requests the engine holds (running or waiting): what a freed slot is measured by."""
@@ -370,6 +375,22 @@ class Engine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+
+
+def _as_response_request(body: dict[str, Any]) -> None:
+    """A Responses request as vLLM takes it: the response is named after the job, as OpenAI names
+    responses (``resp_...``), and it reports its usage in its last event whatever the stream options."""
+    body["request_id"] = f"resp_{body['request_id']}"
+    body.pop("stream_options", None)
+
+
+async def _response_events(events: Any) -> AsyncIterator[str]:
+    """vLLM's Responses events (objects) as the SSE payloads the worker relays, as its chat stream sends them."""
+    try:
+        async for event in events:
+            yield f"data: {event.model_dump_json(by_alias=True)}\n\n"
+    finally:
+        await events.aclose()
 
 
 def _plain(value: Any) -> Any:

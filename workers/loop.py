@@ -71,8 +71,9 @@ def _usage(payload: dict[str, Any]) -> Usage | None:
     usage = payload.get("usage")
     if not usage:
         return None
-    return Usage(prompt_tokens=int(usage.get("prompt_tokens") or 0),
-                 completion_tokens=int(usage.get("completion_tokens") or 0))
+    # Chat and completions name them prompt/completion tokens; the Responses API input/output tokens.
+    return Usage(prompt_tokens=int(usage.get("prompt_tokens") or usage.get("input_tokens") or 0),
+                 completion_tokens=int(usage.get("completion_tokens") or usage.get("output_tokens") or 0))
 
 
 class WorkerLoop:
@@ -406,6 +407,8 @@ class WorkerLoop:
                         usage = _usage(json.loads(payload))
                         if not wants_usage:
                             continue
+                    elif '"type":"response.completed"' in payload:  # a Responses stream's usage is in its end
+                        usage = _usage(json.loads(payload)["response"])
                     first = not first_token_ms
                     if first:
                         first_token_ms = now_ms()

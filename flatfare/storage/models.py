@@ -6,7 +6,8 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, DateTime, ForeignKey, Index, Integer, String, UniqueConstraint, func
+from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, ForeignKey, Index, Integer, String, Text, UniqueConstraint,
+                        func)
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -319,3 +320,22 @@ class FileUsage(Base):
     account_id: Mapped[int] = mapped_column(ForeignKey("accounts.id"), primary_key=True)
     files: Mapped[int] = mapped_column(Integer, default=0)
     bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class StoredResponse(Base):
+    """A finished ``POST /v1/responses`` answer kept for its account (``store``, the default): read back
+    by id, and the conversation a later request continues with ``previous_response_id``. Any gateway
+    process reads it; vLLM's own store is one worker's memory."""
+
+    __tablename__ = "stored_responses"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    account_id: Mapped[int] = mapped_column(ForeignKey("accounts.id"), index=True)
+    # The ledger row of the request that produced it.
+    request_id: Mapped[str] = mapped_column(String(64))
+    model: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    # JSON text as it went out: the response object, and every input item the model was given (the
+    # earlier turns' input and output items, then this request's input), which the next turn extends.
+    response: Mapped[str] = mapped_column(Text)
+    input_items: Mapped[str] = mapped_column(Text)

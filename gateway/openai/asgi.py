@@ -84,7 +84,8 @@ class CompletionRoutes:
             try:
                 caller = await state.authenticator.authenticate(headers.get("authorization"))
                 raw = await read_body(receive, headers.get("content-length"), state.settings.max_body_bytes)
-                answer = await state.completions.handle(endpoint, raw, caller, call)
+                answer = await (state.responses.create(raw, caller, call) if endpoint is Endpoint.RESPONSES
+                                else state.completions.handle(endpoint, raw, caller, call))
             except APIError as exc:
                 answer = await _error(exc, state, caller, call)
             except RedisError:

@@ -13,6 +13,7 @@ from flatfare.gateway.errors import APIError
 from flatfare.gateway.openai.media import media_refs
 from flatfare.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from flatfare.gateway.pools import CatalogEntry
+from flatfare.gateway.responses.protocol import ResponsesRequest
 
 CODE = "unsupported_capability"
 _MEDIA = {"image": "image input (vision)", "audio": "audio input", "video": "video input"}
@@ -32,7 +33,7 @@ def check_capabilities(parsed: ChatCompletionRequest | CompletionRequest | Embed
         raise APIError(400, f"The model '{model}' is an embedding model: it serves POST /v1/embeddings only and "
                        "generates no text; use a model whose capability embeddings is false (GET /v1/models) for "
                        "chat and completions.", param="model", code=CODE)
-    if not isinstance(parsed, ChatCompletionRequest):
+    if not isinstance(parsed, (ChatCompletionRequest, ResponsesRequest)):
         return
     if parsed.tools and parsed.tool_choice != "none":
         if not capabilities.tools:
@@ -42,6 +43,8 @@ def check_capabilities(parsed: ChatCompletionRequest | CompletionRequest | Embed
         if parsed.tool_choice in (None, "auto") and not capabilities.auto_tool_choice:
             raise _lacks(model, "automatic tool choice (tool_choice 'auto', the default when tools are sent)",
                          "tool_choice", "set tool_choice to 'required' or to a named function")
+    if isinstance(parsed, ResponsesRequest):  # text items only: its wire model refuses media
+        return
     if any(type(message.content) is list for message in parsed.messages):
         for param, kind in _media(parsed):
             if not capabilities.accepts(kind):

@@ -24,8 +24,10 @@ from flatfare.gateway.openai.embeddings import check_embedding_caps, check_embed
 from flatfare.gateway.openai.prompt_length import TokenCounter, check_prompt_length
 from flatfare.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from flatfare.gateway.pools import Pool
+from flatfare.gateway.responses.checks import check_response_caps, check_response_input
+from flatfare.gateway.responses.protocol import ResponsesRequest
 
-OpenAIRequest = ChatCompletionRequest | CompletionRequest | EmbeddingRequest
+OpenAIRequest = ChatCompletionRequest | CompletionRequest | EmbeddingRequest | ResponsesRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +63,13 @@ KINDS: dict[Endpoint, JobKind] = {
                                  embeds=True, output_param=None,
                                  summary="Creates embedding vectors of the input texts or token ids (OpenAI's API); "
                                  "one request is one unit, its inputs bounded by the plan."),
+    # The Responses API's conversation is expanded and its answer stored around this path
+    # (flatfare.gateway.responses.service): the worker gets the whole conversation, with store off.
+    Endpoint.RESPONSES: JobKind(Endpoint.RESPONSES, ResponsesRequest, check_response_caps, check_response_input,
+                                embeds=False, output_param="max_output_tokens",
+                                summary="Creates a model response (OpenAI's Responses API): text or input items, "
+                                "function tools, structured output, streamed events; store keeps it for "
+                                "GET /v1/responses/{id}, previous_response_id continues it."),
 }
 
 

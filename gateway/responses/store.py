@@ -1,0 +1,52 @@
+"""Stored responses in SQL, each owned by its account: saved when a ``store`` response finishes, read
+back by any gateway process. Another account's response reads as absent, as OpenAI answers it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import orjson
+from sqlalchemy import delete, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from flatfare.storage.models import StoredResponse
+
+
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """One stored response: the object as it went out, and every input item the model was given."""
+
+    response: dict[str, Any]
+    input_items: list[dict[str, Any]]
+
+
+class ResponseStore:
+    def __init__(self, sessions: async_sessionmaker[AsyncSession]) -> None:
+        self._sessions = sessions
+
+    async def save(self, account_id: int, request_id: str, created_at: datetime, response: dict[str, Any],
+                   input_items: list[dict[str, Any]]) -> None:
+        """Keep ``response``; a replay of the same request (its Idempotency-Key) keeps the first copy."""
+        row = StoredResponse(id=response["id"], account_id=account_id, request_id=request_id,
+                             model=str(response.get("model") or ""), created_at=created_at,
+                             response=orjson.dumps(response).decode(), input_items=orjson.dumps(input_items).decode())
+        try:
+            async with self._sessions.begin() as session:
+                session.add(row)
+        except IntegrityError:
+            pass  # stored already, by the first answer of this idempotent request
+
+    async def get(self, account_id: int, response_id: str) -> Kept | None:
+        async with self._sessions() as session:
+            row = (await session.execute(select(StoredResponse.response, StoredResponse.input_items).where(
+                StoredResponse.id == response_id, StoredResponse.account_id == account_id))).first()
+        return None if row is None else Kept(orjson.loads(row.response), orjson.loads(row.input_items))
+
+    async def delete(self, account_id: int, response_id: str) -> bool:
+        async with self._sessions.begin() as session:
+            result = await session.execute(delete(StoredResponse).where(
+                StoredResponse.id == response_id, StoredResponse.account_id == account_id))
+        return bool(result.rowcount)
