@@ -86,7 +86,8 @@ def cpu_markdown(data: dict[str, Any]) -> list[str]:
              f"this 2-core machine, vLLM's CPU engine, engine options {json.dumps(meta['engine_options'])} over each "
              f"entry's. Models: {', '.join(meta['models'])} (the last a second catalog entry on smollm2's folder). "
              "Requests through the `openai` SDK, streamed, one at a time, rotating A,A,B,B,C,C,...: the first of each "
-             "pair meets no engine (the budget stopped the previous model's) and waits for a start, the second is warm. "
+             "pair meets no engine (the budget stopped the previous model's) and waits for a start, the second is "
+             "warm. "
              "Beside it, in the same run, `flatfare worker --model M` started by hand with no fleet running "
              "(smollm2 before the fleet's turns, gemma after): its seconds to warm and its first request's TTFT.", "",
              "| model | through the fleet: cold TTFT, median (s) | its model wait (ms) | by hand: start to warm + "
@@ -199,7 +200,8 @@ def write_gpu_report(paths: list[Path], out: Path) -> None:
         raise SystemExit(f"no bench.fleet gpu JSON among {', '.join(map(str, files)) or 'nothing'}")
     lines = ["# Many models on one H200: `python -m bench fleet gpu`", "",
              "Flatfare's whole path on the lent H200 (private Redis, SQLite, gateway, `flatfare fleet --max-awake 1`, "
-             "workers started with vLLM's sleep mode), requests through the `openai` SDK, streamed, one at a time, each "
+             "workers started with vLLM's sleep mode), requests through the `openai` SDK, streamed, one at a time, "
+             "each "
              "from a settled fleet; TTFT measured by the client. 'met' is what the request's model's engine was doing "
              "when it was sent: none (start), asleep (wake L1/L2), warm."]
     out.parent.mkdir(parents=True, exist_ok=True)
