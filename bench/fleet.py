@@ -15,7 +15,7 @@ was sent (no engine: ``start``; asleep: ``wake L1``/``wake L2``; ``warm``), and 
   full starts, level-1 and level-2 wakes, and warm requests, in turn.
 * ``gpu --part many``: N entries on one 8B folder (load_format dummy, level 1): started one by one (each
   start puts the previous one to sleep), then each asked again (a wake).
-* ``report``: the JSON files of ``gpu`` as bench/results/fleet_gpu.md and .png.
+* ``report``: the JSON files of ``gpu`` as bench/results/fleet_gpu.md and a plot per part (fleet_gpu_<part>.png).
 
 The checks each run reports: no request lost (every one answered 200 and its ledger row succeeded), and the
 budget never exceeded (the most awake engines any sample saw).
