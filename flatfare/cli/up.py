@@ -42,8 +42,9 @@ FLEET_STOP_TIMEOUT_S = 90.0
 GIVE_UP_AFTER_CRASHES = 3
 # Said while a model starts for the first time on this machine (no start measured yet).
 FIRST_START = "the first start compiles the model for the CPU: 3 to 5 minutes"
-# The models `flatfare up` serves unless told otherwise: the built-in ones (workers/prepare.py).
-UP_MODELS = ("smollm2-135m-instruct", "gemma3-270m")
+# The models `flatfare up` serves unless told otherwise: the built-in ones (workers/prepare.py), the
+# embedding model included (its engine starts at its first request, as every model but the first).
+UP_MODELS = ("smollm2-135m-instruct", "gemma3-270m", "all-minilm-l6-v2")
 
 
 def _child_env(settings: CommonSettings, redis_url: str) -> dict[str, str]:
