@@ -175,3 +175,15 @@ def test_bad_input_is_refused_before_anything_is_counted(stack: Stack, client: o
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model=MODEL, input=ASK, previous_response_id="resp_none")
     assert _units(stack) == units
+
+
+def test_a_json_schema_text_format_holds_the_output_to_it(client: openai.OpenAI) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string", "enum": CITIES}}, "required": ["city"],
+              "additionalProperties": False}
+    response = client.responses.create(model=MODEL, input="Name a city in France.", max_output_tokens=32,
+                                       temperature=0, text={"format": {"type": "json_schema", "name": "city",
+                                                                       "schema": schema, "strict": True}})
+    assert json.loads(response.output_text)["city"] in CITIES, response.output_text
+    # The format comes back as it was sent (the schema under its own name, "schema").
+    kept = client.responses.retrieve(response.id).model_dump(by_alias=True)
+    assert kept["text"]["format"]["schema"] == schema, kept["text"]
