@@ -68,12 +68,14 @@ class _PlanFields(_In):
     max_prompt_tokens: Annotated[int, Field(ge=1, le=10_000_000)] | None = None
     # Requests an account on the plan may have in flight; null: no cap.
     max_inflight: MaxInflight | None = None
+    # Inputs one embeddings request may carry (one request is one unit: its work is bounded).
+    max_embedding_inputs: Annotated[int, Field(ge=1, le=100_000)] | None = None
     timezone: str | None = None
     trial_days: Annotated[int, Field(ge=1, le=365)] | None = None
     retired: bool | None = None
 
     _not_null = field_validator("display_name", "price_per_request_micros", "monthly_price_cents", "lane", "max_n",
-                                "max_body_bytes", "timezone", "retired")(_refuse_null)
+                                "max_body_bytes", "max_embedding_inputs", "timezone", "retired")(_refuse_null)
 
     @field_validator("timezone")
     @classmethod
@@ -108,6 +110,7 @@ class PlanPublic(_Out):
     max_body_bytes: int
     max_prompt_tokens: int | None
     max_inflight: int | None
+    max_embedding_inputs: int
     timezone: str
     trial_days: int | None
     retired: bool

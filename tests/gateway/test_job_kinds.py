@@ -10,6 +10,7 @@ be asked, which tests/e2e/test_embeddings.py checks on the real engine."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -19,12 +20,14 @@ from typing import Any
 import httpx
 import pytest
 import redis.asyncio as aioredis
-from sqlalchemy import func, select
+from pydantic import ValidationError
+from sqlalchemy import func, select, update
 
 from flatfare.billing.plans import quota_window
 from flatfare.billing.quota import counter_key
 from flatfare.capabilities import capabilities_of
 from flatfare.contract import ENDPOINT_PATHS, Endpoint, WorkerInfo
+from flatfare.gateway.admin.schemas import PlanUpdate
 from flatfare.gateway.app import create_app
 from flatfare.gateway.errors import APIError
 from flatfare.gateway.openai.asgi import ROUTES
@@ -33,7 +36,7 @@ from flatfare.gateway.settings import GatewaySettings
 from flatfare.redis_conn import connect
 from flatfare.storage.accounts import ensure_account, issue_key
 from flatfare.storage.db import create_engine, migrate, session_factory
-from flatfare.storage.models import RequestRecord
+from flatfare.storage.models import Plan, RequestRecord
 from flatfare.workers.engine import SERVING
 from flatfare.workers.presence import now_ms, queue_beat
 from tests.gateway.test_asgi import lifespan
@@ -208,3 +211,28 @@ async def test_an_embeddings_request_within_its_bounds_is_admitted_and_recorded(
     finally:
         await engine.dispose()
     assert (row.endpoint, row.model, row.stream, row.billable) == ("embeddings", EMBEDDER, False, False)
+
+
+async def test_the_plan_s_embedding_inputs_are_data_an_operator_changes(gateway: Gateway) -> None:
+    """The cap is the plans table's ``max_embedding_inputs`` (the admin API's plan field): a change reaches
+    the gateway through its plan cache. Three inputs with ``dimensions`` are refused either way, for
+    ``dimensions`` first, then, once the cap of 2 is seen, for the inputs (caps come first)."""
+    for refused in ({"max_embedding_inputs": 0}, {"max_embedding_inputs": None}):
+        with pytest.raises(ValidationError):
+            PlanUpdate.model_validate(refused)
+    engine = create_engine(gateway.database_url)
+    try:
+        async with session_factory(engine)() as session, session.begin():
+            await session.execute(update(Plan).where(Plan.name == "pro").values(max_embedding_inputs=2))
+    finally:
+        await engine.dispose()
+    deadline = time.monotonic() + 20
+    while True:
+        response = await gateway.client.post("/v1/embeddings", json=_embed(input=["a", "b", "c"], dimensions=8),
+                                             headers=gateway.auth)
+        if response.json()["error"]["code"] == "too_many_inputs":
+            break
+        assert time.monotonic() < deadline, response.text
+        await asyncio.sleep(0.1)
+    assert "allows at most 2" in _error(response, 400, "too_many_inputs", "input")
+    assert await gateway.counted() == (0, 0)
