@@ -66,6 +66,9 @@ _REQUESTS = RequestRecord.__table__
 _OUTBOX = UsageOutbox.__table__
 # Most writes a transaction takes; more wait for the next one.
 MAX_BATCH = 256
+# Ledger rows of Batch API lines name their endpoint "batch:<kind>": they count on the plan's batch
+# allowance, not on the live daily quota, whose counters are rebuilt from the other billable rows.
+BATCH_ENDPOINT_PREFIX = "batch:"
 # Seconds between tries of closes waiting for an unreachable database.
 RETRY_S = 0.5
 
@@ -275,7 +278,7 @@ class Ledger:
             rows = await session.execute(
                 select(owner, RequestRecord.quota_day, func.count())
                 .where(RequestRecord.billable.is_(True), RequestRecord.quota_day.in_(days),
-                       RequestRecord.id.not_in(leave_out))
+                       RequestRecord.id.not_in(leave_out), ~RequestRecord.endpoint.startswith(BATCH_ENDPOINT_PREFIX))
                 .group_by(owner, RequestRecord.quota_day))
             return {(owner_id, day): count for owner_id, day, count in rows}
 

@@ -19,7 +19,7 @@ from flatfare.billing.webhooks import WebhookProcessor
 from flatfare.storage.accounts import AccountStore
 from flatfare.billing.quota import DailyQuota
 from flatfare.storage.db import create_engine, session_factory
-from flatfare.gateway import admin, billing_routes, console, files, health, usage
+from flatfare.gateway import admin, batches, billing_routes, console, files, health, usage
 from flatfare.gateway.openai import routes
 from flatfare.gateway.admin.auth import AdminAuthenticator
 from flatfare.gateway.auth import Authenticator
@@ -85,6 +85,7 @@ def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
         stop = asyncio.Event()
         background: list[asyncio.Task[None]] = []
         background.append(files.start(state, settings, sessions, stop))
+        background.append(batches.start(state, redis, sessions, stop))
         if settings.stripe_enabled:
             state.stripe = StripeGateway(settings.stripe_config())
             sender = OutboxSender(sessions, state.stripe, settings.billing_outbox_max_backoff_s)
@@ -111,6 +112,7 @@ def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
     app.include_router(responses_routes.router)
     app.include_router(usage.router)
     app.include_router(files.router)
+    app.include_router(batches.router)
     app.include_router(billing_routes.router)
     app.include_router(admin.router)
     app.include_router(health.router)

@@ -78,6 +78,10 @@ class Plan(Base):
     timezone: Mapped[str] = mapped_column(String(64), default="UTC")
     trial_days: Mapped[int | None] = mapped_column(Integer)
     retired: Mapped[bool] = mapped_column(Boolean, default=False)
+    # The Batch API: percent off the per-request price for a batch line, and the batch lines an account
+    # may have run or pending per quota day, apart from daily_limit (None: no cap).
+    batch_discount_percent: Mapped[int] = mapped_column(Integer, default=50, server_default="50")
+    batch_daily_limit: Mapped[int | None] = mapped_column(Integer)
 
 
 class Account(Base):
@@ -294,6 +298,25 @@ class AuditEntry(Base):
     after: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
 
+class StoredResponse(Base):
+    """A finished ``POST /v1/responses`` answer kept for its account (``store``, the default): read back
+    by id, and the conversation a later request continues with ``previous_response_id``. Any gateway
+    process reads it; vLLM's own store is one worker's memory."""
+
+    __tablename__ = "stored_responses"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    account_id: Mapped[int] = mapped_column(ForeignKey("accounts.id"), index=True)
+    # The ledger row of the request that produced it.
+    request_id: Mapped[str] = mapped_column(String(64))
+    model: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    # JSON text as it went out: the response object, and every input item the model was given (the
+    # earlier turns' input and output items, then this request's input), which the next turn extends.
+    response: Mapped[str] = mapped_column(Text)
+    input_items: Mapped[str] = mapped_column(Text)
+
+
 class StoredFile(Base):
     """A file of the Files API (``/v1/files``): its metadata here, its bytes in the gateway's file store
     under ``{account_id}/{id}``. Owned by one account; past ``expires_at`` it is gone for its owner and
@@ -322,20 +345,77 @@ class FileUsage(Base):
     bytes: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
-class StoredResponse(Base):
-    """A finished ``POST /v1/responses`` answer kept for its account (``store``, the default): read back
-    by id, and the conversation a later request continues with ``previous_response_id``. Any gateway
-    process reads it; vLLM's own store is one worker's memory."""
+class BatchStatus(StrEnum):
+    VALIDATING = "validating"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
 
-    __tablename__ = "stored_responses"
+
+class Batch(Base):
+    """A Batch API batch (``POST /v1/batches``): its progress lives in :class:`BatchLine` rows, so a
+    gateway or worker restart resumes it where it stood."""
+
+    __tablename__ = "batches"
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    account_id: Mapped[int] = mapped_column(ForeignKey("accounts.id"), index=True)
-    # The ledger row of the request that produced it.
-    request_id: Mapped[str] = mapped_column(String(64))
-    model: Mapped[str] = mapped_column(String(128))
+    account_id: Mapped[int] = mapped_column(ForeignKey("accounts.id"))
+    api_key_id: Mapped[int] = mapped_column(ForeignKey("api_keys.id"))
+    # The OpenAI path its lines call: /v1/chat/completions or /v1/completions.
+    endpoint: Mapped[str] = mapped_column(String(64))
+    input_file_id: Mapped[str] = mapped_column(String(64))
+    completion_window: Mapped[str] = mapped_column(String(8))
+    status: Mapped[str] = mapped_column(String(16), default=BatchStatus.VALIDATING.value, index=True)
+    # The client's metadata (up to 16 string pairs); errors: OpenAI's {"object": "list", "data": [...]}.
+    metadata_: Mapped[dict[str, str] | None] = mapped_column("metadata", JSON)
+    errors: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    output_file_id: Mapped[str | None] = mapped_column(String(64))
+    error_file_id: Mapped[str | None] = mapped_column(String(64))
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    completed: Mapped[int] = mapped_column(Integer, default=0)
+    failed: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
-    # JSON text as it went out: the response object, and every input item the model was given (the
-    # earlier turns' input and output items, then this request's input), which the next turn extends.
-    response: Mapped[str] = mapped_column(Text)
-    input_items: Mapped[str] = mapped_column(Text)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    in_progress_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    finalizing_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    completed_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    failed_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    expired_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    cancelling_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    cancelled_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+
+    __table_args__ = (Index("ix_batches_account", "account_id", "created_at"),)
+
+
+class BatchLineStatus(StrEnum):
+    PENDING = "pending"
+    # Its job is on the batch lane (or running): its result comes back on contract.BATCH_REPLIES.
+    QUEUED = "queued"
+    DONE = "done"
+    FAILED = "failed"
+    # Never run: its batch was cancelled or expired first.
+    NOT_RUN = "not_run"
+
+
+class BatchLine(Base):
+    """One line of a batch's input file, and once it ran, its result (a line of the output or the
+    error file)."""
+
+    __tablename__ = "batch_lines"
+
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id"), primary_key=True)
+    line: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    custom_id: Mapped[str] = mapped_column(String(512))
+    model: Mapped[str] = mapped_column(String(128))
+    # The request body as the worker gets it (JSON text).
+    body: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16), default=BatchLineStatus.PENDING.value)
+    # The HTTP status and JSON body of its answer (or of its error), once it ran.
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    result: Mapped[str | None] = mapped_column(Text)
+
+    __table_args__ = (Index("ix_batch_lines_status", "status", "batch_id"),)

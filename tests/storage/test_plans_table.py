@@ -40,6 +40,7 @@ def _seeded(plan: Plan) -> dict[str, object]:
             "sequences a request (prompts x `n` x `best_of`)": plan.max_n, "output tokens": plan.max_output_tokens,
             "input tokens": plan.max_prompt_tokens, "body": plan.max_body_bytes,
             "requests in flight": plan.max_inflight, "embedding inputs a request": plan.max_embedding_inputs,
+            "batch discount": plan.batch_discount_percent, "batch lines a day": plan.batch_daily_limit,
             "the day's timezone": plan.timezone}
 
 
