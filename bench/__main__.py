@@ -21,6 +21,8 @@ COMMANDS = {
                 "SQLite and PostgreSQL (~5 min)"),
     "fleet": ("bench.fleet", "many models on one engine budget: cold starts, wakes, the budget held, nothing lost "
               "(cpu ~10 min; gpu: the H200, gpu_device.sh fleet; report)"),
+    "batch": ("bench.batch", "the live lanes' TTFT with and without a batch running on the batch lane, instant "
+              "engine (~3 min)"),
     "scale": ("bench.scale", "requests/s for 1, 2, 4 worker hosts, hosts as network namespaces; needs root (~3 min)"),
 }
 
