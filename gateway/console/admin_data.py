@@ -17,7 +17,7 @@ from flatfare.billing.quota import QuotaUnavailable
 from flatfare.contract import WorkerInfo, WorkerState
 from flatfare.redis_conn import REDIS_DOWN
 from flatfare.storage.models import Account, ApiKey, AuditEntry, CatalogModel, ConsoleUser, Plan
-from flatfare.gateway.metrics import QueueDepth, pool_queues
+from flatfare.queues import QueueDepth, pool_queues
 
 PAGE_SIZE = 50
 # What an account search may be: a name or an email is well within this.

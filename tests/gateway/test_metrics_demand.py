@@ -1,4 +1,4 @@
-"""A pool's queues and demand as /metrics reads them (gateway/metrics.py ``pool_queues``), on a real
+"""A pool's queues and demand as /metrics reads them (flatfare/queues.py ``pool_queues``), on a real
 redis-server: jobs go in through the admission script and are taken by the workers' own claim script,
 so every place a job can wait or run is where production puts it."""
 
@@ -13,7 +13,7 @@ from flatfare import contract
 from flatfare.billing.plans import quota_window
 from flatfare.billing.quota import EPOCH_KEY, expiry
 from flatfare.contract import Endpoint, Job, Lane
-from flatfare.gateway.metrics import pool_queues
+from flatfare.queues import pool_queues
 from flatfare.gateway.queueing import Admitted, LaneLimits, LaneQueue, QuotaClaim
 from flatfare.workers.claims import Claimer
 
