@@ -41,5 +41,6 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.execute(_models.delete().where(_models.c.name == MODEL))
-    with op.batch_alter_table("plans") as batch:
-        batch.drop_column("max_embedding_inputs")
+    # In place, not in batch mode, which copies plans and drops the original: accounts' foreign keys to
+    # plans refuse that once there are accounts (0015's downgrade says the same).
+    op.drop_column("plans", "max_embedding_inputs")

@@ -65,6 +65,7 @@ def downgrade() -> None:
     op.drop_index("ix_batches_account", table_name="batches")
     op.drop_index("ix_batches_status", table_name="batches")
     op.drop_table("batches")
-    with op.batch_alter_table("plans") as batch:
-        batch.drop_column("batch_daily_limit")
-        batch.drop_column("batch_discount_percent")
+    # ALTER TABLE ... DROP COLUMN in place (SQLite >= 3.35, PostgreSQL): batch mode would copy plans and
+    # drop the original, which accounts' foreign keys to plans refuse once there are accounts.
+    op.drop_column("plans", "batch_daily_limit")
+    op.drop_column("plans", "batch_discount_percent")
