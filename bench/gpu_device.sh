@@ -220,9 +220,9 @@ capabilities() {
       --size "$size" --tokenizer "$VLLM_TOK_DIR" --out "/tmp/c$arch") > "$dir/make-$arch.log" 2>&1 \
       || { tail -5 "$dir/make-$arch.log"; continue; }
     [ "$(left)" -gt 150 ] || { say "$entry skipped: $(left) s left"; continue; }
-    # vLLM 0.26's LLaVA imports Pixtral names the device's newer transformers renamed (bench/device_compat),
-    # and mistral_common with its dependencies (bench/gpu.py VISION_WHEELS, in $FFVISION).
-    compat=""; [ "$arch" = llava ] && compat="$ROOT/bench/device_compat:$FFVISION"
+    # vLLM 0.26's LLaVA imports mistral_common with its dependencies (bench/gpu.py VISION_WHEELS, in
+    # $FFVISION), and Pixtral names the device's newer transformers renamed (bench/device_sitecustomize.py).
+    compat=""; [ "$arch" = llava ] && compat="$FFVISION"
     (cd "$ROOT" && PYTHONPATH=${compat:+$compat:}$PYTHONPATH timeout -s INT -k 20 $(( $(left) - 40 )) \
       python3 -m bench capabilities run --entry "$entry" \
       --model-dir "/tmp/c$arch" --workdir "/tmp/ffcaps-$entry" --json "$dir/$entry.json" --ready-timeout 400 \
