@@ -328,11 +328,6 @@ class WorkerState(StrEnum):
     ASLEEP = "asleep"
     WAKING = "waking"
 
-    @property
-    def awake(self) -> bool:
-        """Holds its accelerator memory (or is about to): counts against its fleet's budget."""
-        return self in (WorkerState.STARTING, WorkerState.WARM, WorkerState.DRAINING, WorkerState.WAKING)
-
 
 class CommandKind(StrEnum):
     SLEEP = "sleep"
