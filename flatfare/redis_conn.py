@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import hiredis
 import redis.asyncio as aioredis
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
@@ -11,6 +13,15 @@ from redis.exceptions import RedisError
 # and the OSErrors its sockets let through bare. OSError takes in ConnectionError and TimeoutError,
 # which ``asyncio.timeout`` raises (since Python 3.11 asyncio.TimeoutError is that same class).
 REDIS_DOWN: tuple[type[Exception], ...] = (RedisError, OSError)
+
+
+def stop_if_cancelled() -> None:
+    """Re-raise a cancellation that came out as a Redis error: a loop that retries on REDIS_DOWN calls
+    this first, so that cancelling its task still stops it (a cancellation in the middle of a redis-py
+    command can surface as a connection error, and the retry would then swallow it)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 # Blocking reads (XREAD/XREADGROUP BLOCK) wait at most 5 s, well inside this socket timeout;
 # redis-py's own default (5 s) would cut a loaded server's blocking reply short.

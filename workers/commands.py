@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 
 from flatfare import contract
 from flatfare.contract import Command, CommandKind, ModelFacts, WorkerInfo, WorkerState
-from flatfare.redis_conn import REDIS_DOWN
+from flatfare.redis_conn import REDIS_DOWN, stop_if_cancelled
 from flatfare.workers.presence import RETRY_S, Presence, now_ms
 
 log = logging.getLogger("flatfare.worker")
@@ -73,6 +73,7 @@ class Commands:
             try:
                 item = await self.redis.blpop([self.key], timeout=BLOCK_S)
             except REDIS_DOWN as exc:
+                stop_if_cancelled()
                 log.warning("reading commands failed (%s); retrying", exc.__class__.__name__)
                 await asyncio.sleep(RETRY_S)
                 continue

@@ -25,7 +25,7 @@ from flatfare.workers.claims import Claimed, Claimer
 from flatfare.workers.commands import Commands, SleepingEngine
 from flatfare.workers.metrics import WorkerMetrics
 from flatfare.workers.presence import RETRY_S, Presence, listen_for_cancels, now_ms
-from flatfare.redis_conn import REDIS_DOWN, without_read_timeouts
+from flatfare.redis_conn import REDIS_DOWN, stop_if_cancelled, without_read_timeouts
 from flatfare.workers.replies import BatchedGet, ReplyWriter
 
 log = logging.getLogger("flatfare.worker")
@@ -266,6 +266,7 @@ class WorkerLoop:
             try:
                 lost = await self.claimer.renew(held)
             except REDIS_DOWN:
+                stop_if_cancelled()
                 continue
             orphans = self._still_holding(lost)
 
@@ -295,6 +296,7 @@ class WorkerLoop:
                 live = await self.presence.live_workers()
                 self._start_all(await self.claimer.take_over(free, self.lease_ms, live))
             except REDIS_DOWN:
+                stop_if_cancelled()
                 log.warning("takeover pass failed", exc_info=True)
 
     def _cancel(self, request_id: str) -> None:

@@ -13,12 +13,14 @@ import redis.asyncio as aioredis
 
 from flatfare import contract
 from flatfare.contract import ModelFacts, WorkerInfo, WorkerState
-from flatfare.redis_conn import REDIS_DOWN
+from flatfare.redis_conn import REDIS_DOWN, stop_if_cancelled
 
 log = logging.getLogger("flatfare.worker")
 
 # Pause before trying Redis again after it failed.
 RETRY_S = 0.5
+# How long stop() lets a heartbeat under way finish before it cancels it.
+STOP_WAIT_S = 5.0
 
 
 def now_ms() -> int:
@@ -44,6 +46,7 @@ class Presence:
         self.info = info
         self.refresh: Callable[[WorkerInfo], None] = lambda _info: None
         self._task: asyncio.Task[None] | None = None
+        self._stopped = asyncio.Event()
 
     @property
     def pool(self) -> str:
@@ -69,20 +72,28 @@ class Presence:
             await self.beat_now()
 
     async def _beat(self) -> None:
-        while True:
+        # Stopped by an event, not by cancelling: redis-py can turn a cancellation in the middle of a
+        # command into a ConnectionError, which this loop retries, and the heartbeat then outlives stop().
+        while not self._stopped.is_set():
             try:
                 await self.beat_now()
             except REDIS_DOWN:
+                stop_if_cancelled()
                 log.warning("heartbeat failed; retrying", exc_info=True)
-            await asyncio.sleep(contract.HEARTBEAT_INTERVAL_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopped.wait(), contract.HEARTBEAT_INTERVAL_S)
 
     async def live_workers(self) -> set[str]:
         oldest = now_ms() - int(contract.WORKER_TTL_S * 1000)
         return {w.decode() for w in await self.redis.zrangebyscore(contract.pool_key(self.pool), oldest, "+inf")}
 
     async def stop(self) -> None:
+        self._stopped.set()
         if self._task is not None:
-            self._task.cancel()
+            # A beat under way finishes; one stuck on an unanswering Redis is cancelled.
+            _, stuck = await asyncio.wait([self._task], timeout=STOP_WAIT_S)
+            for task in stuck:
+                task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         with contextlib.suppress(Exception):
             async with self.redis.pipeline(transaction=False) as pipe:
@@ -103,6 +114,7 @@ async def listen_for_cancels(redis: aioredis.Redis, on_cancel: Callable[[str], N
                 data = message["data"]
                 on_cancel(data.decode() if isinstance(data, bytes) else data)
         except REDIS_DOWN as exc:
+            stop_if_cancelled()
             log.warning("cancellations: %s; subscribing again", exc.__class__.__name__)
             await asyncio.sleep(RETRY_S)
         finally:

@@ -251,3 +251,27 @@ async def test_a_job_that_outlasts_the_drain_is_handed_back(redis, start_worker)
     # Still pending, and idle enough for a live worker's takeover pass to take at once.
     taken = await Claimer(redis, POOL, "w2").take_over(10, int(contract.DEFAULT_LEASE_S * 1000), set())
     assert [(c.stream, [e[0] for e in c.entries], c.reclaimed) for c in taken] == [(stream, [entry_id], True)]
+
+
+async def test_the_worker_stops_when_redis_py_turns_a_cancellation_into_a_connection_error(
+        redis, start_worker, monkeypatch) -> None:
+    """redis-py can surface a cancellation in the middle of a command as a ConnectionError; the worker's
+    retrying loops (heartbeat, commands, leases, takeover, cancellations) must still stop (CI once
+    saw a worker whose heartbeat outlived stop() by 30 s)."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from flatfare.workers.presence import Presence
+
+    real_beat = Presence.beat_now
+
+    async def beat_swallowing_cancels(self: Presence) -> None:
+        try:
+            await real_beat(self)
+            await asyncio.sleep(0.05)  # a slow command: where the cancellation lands
+        except asyncio.CancelledError:
+            raise RedisConnectionError("Connection closed by server.") from None
+
+    monkeypatch.setattr(Presence, "beat_now", beat_swallowing_cancels)
+    worker = await start_worker()
+    await asyncio.sleep(1.5)
+    await worker.stop(timeout_s=15)
