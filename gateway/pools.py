@@ -256,16 +256,15 @@ class Pools:
         workers = tuple(w for w in live if w.state is WorkerState.WARM)
         if workers:
             return Pool(model, workers, shared)
-        if entry is not None and (any(w.state in _COMING for w in live) or await self.startable(entry)):
+        # An engine starting, waking or asleep comes up (a catalog model or not, as the worker started
+        # by hand that serves a model of its own name); a catalog model also when someone starts one.
+        if any(w.state in _COMING for w in live) or (entry is not None and await self.startable(entry)):
             return Pool(model, (), shared, cold=True, cold_max_model_len=await self.context_length(entry, model))
-        starting = any(w.state is WorkerState.STARTING for w in live)
         served_lately = time.monotonic() - self._served.get(shared, -SERVED_MEMORY_S) < SERVED_MEMORY_S
-        if entry is None and not starting and not served_lately:
+        if entry is None and not served_lately:
             raise APIError(404, f"The model '{model}' does not exist or you do not have access to it.",
                            param="model", code="model_not_found")
-        if starting:
-            why = "is starting right now; retry shortly."
-        elif entry is not None:
+        if entry is not None:
             why = ("has no live worker and no fleet supervisor serves it; retry later (operators: start "
                    "`flatfare fleet` on a host that can run it, or a worker of it).")
         else:

@@ -344,3 +344,20 @@ async def test_a_prefix_is_never_routed_to_an_engine_that_is_not_warm(tmp_path: 
         # Taken from the shared lane, not from the asleep engine's own stream (where only a takeover,
         # once its heartbeat stopped, would have found it).
         assert int(await gw.redis.get(contract.drained_key(COLD, Lane.STANDARD)) or 0) == 1
+
+
+async def test_a_model_outside_the_catalog_whose_engine_is_starting_is_admitted(tmp_path: Path,
+                                                                                redis_url: str) -> None:
+    """A worker started by hand serves a model of its own name, in no catalog: while its engine starts,
+    a request waits for it rather than being refused (CI once asked as soon as /v1/models listed it)."""
+    handmade = "handmade-model"
+    async with open_gateway(tmp_path, redis_url) as gw:
+        await heartbeat(gw.redis, handmade, WorkerState.STARTING, "starting-1")
+        waiting = asyncio.ensure_future(gw.client.post("/v1/chat/completions", json=chat(handmade), headers=gw.auth))
+        await until(lambda: gw.queued(handmade), lambda n: n == 1, "the request queued for the starting engine")
+        async with worker_of(redis_url, handmade):
+            answered = await asyncio.wait_for(waiting, WAIT_S)
+        assert answered.status_code == 200, answered.text
+        # Nothing starting, nothing served lately, not in the catalog: no such model.
+        unknown = await gw.client.post("/v1/chat/completions", json=chat("never-heard-of"), headers=gw.auth)
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
