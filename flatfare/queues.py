@@ -2,9 +2,9 @@
 accounts' queues and its stream's entries no worker was given yet), the jobs taken and not finished,
 and the jobs routed to its workers' own streams (prefix-aware routing), dead workers' included.
 
-One definition for the gateway's /metrics (the ``flatfare_model_demand`` gauge a KEDA trigger reads)
-and the admin console. (The fleet supervisor still counts only the lanes' queued jobs: with this
-definition its own tests showed a fleet that did not stop within 30 s of SIGTERM; not yet understood.)
+One definition for everyone who asks "does this model need an engine?": the gateway's /metrics (the
+``flatfare_model_demand`` gauge a KEDA trigger reads), the admin console, and the fleet supervisor,
+which starts or wakes a model's engine while its demand is above zero.
 """
 
 from __future__ import annotations

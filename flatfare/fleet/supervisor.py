@@ -29,6 +29,7 @@ from flatfare.fleet.metrics import FleetMetrics
 from flatfare.fleet.plan import HOLDING, Act, Action, Budget, Engine, Failure, FleetModel, Plan, decide
 from flatfare.fleet.settings import FleetSettings
 from flatfare.fleet.weights import weights_gb
+from flatfare.queues import pool_queues
 from flatfare.redis_conn import REDIS_DOWN
 from flatfare.storage.db import DATABASE_DOWN
 from flatfare.storage.models import CatalogModel
@@ -159,14 +160,11 @@ class Supervisor:
         self.served = sorted(models) + variants
 
     async def read_demand(self) -> dict[str, int]:
-        """Jobs waiting in each model's queues, both lanes (a variant's wait in its base model's)."""
+        """What needs each model's engine (flatfare.queues: its lanes' queues, jobs taken and not finished,
+        and jobs routed to its workers' own streams, an asleep or dead worker's included), a variant's
+        counted in its base model's pool."""
         names = sorted(self.models)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for name in names:
-                for lane in contract.LIVE_LANES:
-                    pipe.get(contract.queued_key(name, lane))
-            counts = await pipe.execute()
-        return {name: sum(int(c or 0) for c in counts[2 * i:2 * i + 2]) for i, name in enumerate(names)}
+        return {name: queues.demand for name, queues in (await pool_queues(self.redis, names, now_ms())).items()}
 
     async def read_heartbeats(self) -> list[Engine]:
         """Update each child's last heartbeat; the other live workers of the served pools, as engines."""

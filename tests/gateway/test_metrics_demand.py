@@ -83,3 +83,18 @@ async def test_a_dead_workers_taken_jobs_still_ask_for_a_worker(redis, queue: La
     queues = (await pool_queues(redis, [POOL], await _now_ms(redis)))[POOL]
     assert [q.claimed for q in queues.lanes] == [0, 1] and queues.demand == 1
 
+
+async def test_the_fleet_sees_a_job_routed_to_an_asleep_workers_stream(redis, queue: LaneQueue, tmp_path,
+                                                                       monkeypatch) -> None:
+    """A prefix-routed job can land in a worker's own stream just as it goes to sleep: nothing queues on
+    a lane, yet the model needs its engine. The fleet's demand is the gauge's, so it wakes the model."""
+    from flatfare.fleet.settings import FleetSettings
+    from flatfare.fleet.supervisor import Supervisor
+
+    await redis.zadd(contract.pool_key(POOL), {"asleep": await _now_ms(redis)})
+    await Claimer(redis, POOL, "asleep").setup()
+    await _admit(queue, "routed", Lane.STANDARD, 5, stream=contract.worker_stream(POOL, "asleep"))
+    monkeypatch.setenv("FLATFARE_DATA_DIR", str(tmp_path))
+    supervisor = Supervisor(FleetSettings(), redis, sessions=None)  # type: ignore[arg-type] - no SQL read here
+    supervisor.models = {POOL: None, "idle": None}  # type: ignore[dict-item] - read_demand reads the names only
+    assert await supervisor.read_demand() == {POOL: 1, "idle": 0}
