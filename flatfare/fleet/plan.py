@@ -14,6 +14,9 @@ from Redis, the catalog and its child processes, and carries its actions out. Th
   is put to sleep (GPU) or stopped (CPU); the model starts once it has let go. An engine already on
   its way out is waited for rather than evicting another.
 - An idle engine past its model's idle timeout sleeps (GPU) or stops (CPU), unless its model keeps it.
+- Batch API lines (``batch_demand``) use idle capacity only: a model with batch lines and no engine
+  gets one where there is room without evicting anything; its engine does not time out while lines
+  remain, but live demand for another model may put it away (its lines wait, they are not lost).
 - A sleeper keeps its weights in host memory (level 1) while the level-1 sleepers' weights fit
   ``host_memory_gb``; beyond that it drops them (level 2) and reloads them when woken.
 - A start that failed is tried again only after a backoff that doubles with each failure.
@@ -120,9 +123,10 @@ class _Tick:
     """One decision's working state: the engines as the actions so far leave them."""
 
     def __init__(self, models: Mapping[str, FleetModel], demand: Mapping[str, int], engines: Sequence[Engine],
-                 budget: Budget, now_ms: int) -> None:
+                 budget: Budget, now_ms: int, batch_demand: Mapping[str, int] | None = None) -> None:
         self.models = models
         self.demand = demand
+        self.batch_demand = batch_demand or {}
         self.budget = budget
         self.now_ms = now_ms
         self.state = {e.worker_id: e.state for e in engines}
@@ -158,8 +162,10 @@ class _Tick:
         return engine in serving[:model.keep]
 
     def idle(self, engine: Engine) -> bool:
-        return (self.state[engine.worker_id] is WorkerState.WARM and engine.inflight == 0
-                and self.demand.get(engine.model, 0) == 0)
+        """Warm with no live work: no live demand (which counts the live jobs it holds) and nothing in
+        flight, or only Batch API lines (which wait for it, or another engine, when it goes)."""
+        return (self.state[engine.worker_id] is WorkerState.WARM and self.demand.get(engine.model, 0) == 0
+                and (engine.inflight == 0 or self.batch_demand.get(engine.model, 0) > 0))
 
     def evictable(self) -> list[Engine]:
         """Idle engines no kept model needs, least recently used first."""
@@ -211,10 +217,12 @@ class _Tick:
 
 
 def decide(models: Mapping[str, FleetModel], demand: Mapping[str, int], engines: Sequence[Engine],
-           budget: Budget, now_ms: int, failures: Mapping[str, Failure] | None = None) -> Plan:
-    """What to do now. ``demand``: jobs queued per model; ``engines``: every live engine of the
-    models' pools (this fleet's children with the state they are in or were just told to go to)."""
-    tick = _Tick(models, demand, engines, budget, now_ms)
+           budget: Budget, now_ms: int, failures: Mapping[str, Failure] | None = None,
+           batch_demand: Mapping[str, int] | None = None) -> Plan:
+    """What to do now. ``demand``: live jobs queued or running per model; ``batch_demand``: Batch API
+    lines queued or running per model; ``engines``: every live engine of the models' pools (this
+    fleet's children with the state they are in or were just told to go to)."""
+    tick = _Tick(models, demand, engines, budget, now_ms, batch_demand)
     failures = failures or {}
     _stop_unserved(tick)
     order = sorted(models.values(), key=lambda m: (m.keep == 0, -demand.get(m.name, 0), m.name))
@@ -234,21 +242,27 @@ def _stop_unserved(tick: _Tick) -> None:
 
 def _bring_up(tick: _Tick, model: FleetModel, failure: Failure | None) -> None:
     queued = tick.demand.get(model.name, 0)
-    want = max(model.keep - len(tick.own(model.name, SERVING)),
-               1 if queued and not tick.serving(model.name) else 0)
+    lines = tick.batch_demand.get(model.name, 0)
+    short = model.keep - len(tick.own(model.name, SERVING))
+    want = max(short, 1 if (queued or lines) and not tick.serving(model.name) else 0)
     for _ in range(want):
         if tick.own(model.name, [WorkerState.SLEEPING]):
             tick.plan.waiting[model.name] = "its engine is going to sleep; it is woken once asleep"
             return
-        if not _wake_or_start(tick, model, failure):
+        # Batch lines alone take an idle slot; they never put another engine away.
+        if not _wake_or_start(tick, model, failure, evict=short > 0 or queued > 0):
             return
 
 
-def _wake_or_start(tick: _Tick, model: FleetModel, failure: Failure | None) -> bool:
-    """Wake or start one engine of ``model``, or make room for it; whether it got one now."""
+def _wake_or_start(tick: _Tick, model: FleetModel, failure: Failure | None, evict: bool = True) -> bool:
+    """Wake or start one engine of ``model``, or (``evict``) make room for it; whether it got one now."""
     budget = tick.budget
-    why = "kept up (pinned)" if model.keep and len(tick.own(model.name, SERVING)) < model.keep \
-        else f"{tick.demand.get(model.name, 0)} request(s) queued"
+    if model.keep and len(tick.own(model.name, SERVING)) < model.keep:
+        why = "kept up (pinned)"
+    elif tick.demand.get(model.name, 0):
+        why = f"{tick.demand.get(model.name, 0)} request(s) queued"
+    else:
+        why = f"{tick.batch_demand.get(model.name, 0)} batch line(s) queued, on idle capacity"
     room = len(tick.holding()) < budget.max_awake
     free = tick.free_slots()
     for engine in sorted(tick.own(model.name, [WorkerState.ASLEEP]), key=lambda e: (e.sleep_level, -e.last_used_ms)):
@@ -262,6 +276,9 @@ def _wake_or_start(tick: _Tick, model: FleetModel, failure: Failure | None) -> b
     if room and len(free) >= needed:
         tick.act(Action(Act.START, model.name, why, slots=tuple(free[:needed])))
         return True
+    if not evict:
+        tick.plan.waiting[model.name] = "batch lines wait for an idle engine slot"
+        return False
     _make_room(tick, model, needed)
     if failure is not None and failure.count >= FAILED_STARTS_SHOWN:
         tick.plan.waiting[model.name] = _failed(failure, tick.plan.waiting.get(model.name, ""))
@@ -305,7 +322,7 @@ def _make_room(tick: _Tick, model: FleetModel, needed: int) -> None:
 def _put_idle_away(tick: _Tick) -> None:
     for engine in tick.own(states=[WorkerState.WARM]):
         model = tick.models.get(engine.model)
-        if model is None or not tick.idle(engine) or tick.kept(engine):
+        if model is None or not tick.idle(engine) or tick.kept(engine) or tick.batch_demand.get(engine.model, 0):
             continue
         idle_s = (tick.now_ms - engine.last_used_ms) / 1000
         if idle_s >= model.idle_timeout_s:

@@ -23,7 +23,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from flatfare import contract
-from flatfare.contract import Command, CommandKind, FleetStatus, WorkerInfo, WorkerState
+from flatfare.contract import Command, CommandKind, FleetStatus, Lane, WorkerInfo, WorkerState
 from flatfare.fleet.children import Child, Told, last_line, log_name, spawn
 from flatfare.fleet.metrics import FleetMetrics
 from flatfare.fleet.plan import HOLDING, Act, Action, Budget, Engine, Failure, FleetModel, Plan, decide
@@ -69,6 +69,7 @@ class Supervisor:
         self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISIONS_KEPT)
         self.waiting: dict[str, str] = {}
         self.demand: dict[str, int] = {}
+        self.batch_demand: dict[str, int] = {}
         # Models of fleet_preload not yet warm once: they count as asked for until then.
         self.preload = set(settings.fleet_preload)
         self._started: dict[str, int] = {}
@@ -104,6 +105,7 @@ class Supervisor:
             self._catalog_at = time.monotonic()
         now = now_ms()
         self.demand = await self.read_demand()
+        self.batch_demand = await self.read_batch_demand()
         foreign = await self.read_heartbeats()
         await self.reap(now)
         for child in list(self.children.values()):
@@ -122,7 +124,7 @@ class Supervisor:
                 self.failures.pop(child.model, None)
                 self.preload.discard(child.model)
         demand = {m: q + (1 if m in self.preload else 0) for m, q in self.demand.items()}
-        plan = decide(self.models, demand, engines, self.budget, now, self.failures)
+        plan = decide(self.models, demand, engines, self.budget, now, self.failures, self.batch_demand)
         for action in plan.actions:
             await self.carry_out(action, now)
         self.waiting = self._waiting(plan, demand, now)
@@ -165,6 +167,16 @@ class Supervisor:
         counted in its base model's pool."""
         names = sorted(self.models)
         return {name: queues.demand for name, queues in (await pool_queues(self.redis, names, now_ms())).items()}
+
+    async def read_batch_demand(self) -> dict[str, int]:
+        """Batch API lines fed to each model's batch lane and not finished (its stream's entries: a
+        worker deletes each once answered). They bring an engine up only on idle capacity."""
+        names = sorted(self.models)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.xlen(contract.job_stream(name, Lane.BATCH))
+            counts = await pipe.execute()
+        return {name: int(count) for name, count in zip(names, counts, strict=True) if count}
 
     async def read_heartbeats(self) -> list[Engine]:
         """Update each child's last heartbeat; the other live workers of the served pools, as engines."""

@@ -230,6 +230,37 @@ def test_engines_of_a_model_no_longer_served_stop_asleep_or_not() -> None:
     assert acts(plan) == [("stop", "gone", "w1"), ("stop", "gone", "w2")]
 
 
+# -- Batch API lines: idle capacity only -------------------------------------------------------------
+
+def test_batch_lines_alone_start_a_model_where_there_is_room() -> None:
+    plan = decide(models("a"), {}, [], CPU1, NOW, batch_demand={"a": 5})
+    assert plan.actions == [Action(Act.START, "a", "5 batch line(s) queued, on idle capacity")]
+
+
+def test_batch_lines_never_put_another_engine_away() -> None:
+    idle_b = [eng("w", "b", last_used_ms=NOW - 1_000)]
+    plan = decide(models("a", "b"), {}, idle_b, CPU1, NOW, batch_demand={"a": 3})
+    assert plan.actions == [] and plan.waiting == {"a": "batch lines wait for an idle engine slot"}
+    # A live request for it does.
+    assert acts(decide(models("a", "b"), {"a": 1}, idle_b, CPU1, NOW, batch_demand={"a": 3})) == [("stop", "b", "w")]
+
+
+def test_an_engine_with_batch_lines_left_does_not_time_out() -> None:
+    quick = FleetModel("a", idle_timeout_s=60)
+    old = [eng("w", "a", last_used_ms=NOW - 600_000)]
+    assert decide(models(quick), {}, old, CPU1, NOW, batch_demand={"a": 2}).actions == []
+    assert acts(decide(models(quick), {}, old, CPU1, NOW)) == [("stop", "a", "w")]
+
+
+def test_live_demand_puts_away_an_engine_busy_with_batch_lines_only() -> None:
+    batching = [eng("w", "a", inflight=4, last_used_ms=NOW)]
+    plan = decide(models("a", "b"), {"b": 1}, batching, CPU1, NOW, batch_demand={"a": 40})
+    assert acts(plan) == [("stop", "a", "w")] and plan.waiting["b"] == "waiting for a to stop"
+    # Its jobs in flight are live ones (counted in its live demand): it stays.
+    plan = decide(models("a", "b"), {"a": 4, "b": 1}, batching, CPU1, NOW, batch_demand={"a": 40})
+    assert plan.actions == []
+
+
 # -- the budget over many random ticks ---------------------------------------------------------------
 
 def _simulate(budget: Budget, seed: int) -> None:
@@ -246,6 +277,7 @@ def _simulate(budget: Budget, seed: int) -> None:
     for _ in range(400):
         now += 1000
         demand = {m: rng.choice([0, 0, 0, 1, 3]) for m in catalog}
+        lines = {m: rng.choice([0, 0, 0, 0, 20]) for m in catalog}
         moved = {}
         for e in engines.values():
             nxt = {W.STARTING: W.WARM, W.WAKING: W.WARM, W.SLEEPING: W.ASLEEP}.get(e.state, e.state)
@@ -255,7 +287,7 @@ def _simulate(budget: Budget, seed: int) -> None:
             inflight = rng.choice([0, 1]) if nxt is W.WARM and demand[e.model] else 0
             moved[e.worker_id] = Engine(e.worker_id, e.model, nxt, e.slots, used, inflight, e.sleep_level)
         engines = moved
-        plan = decide(catalog, demand, list(engines.values()), budget, now)
+        plan = decide(catalog, demand, list(engines.values()), budget, now, batch_demand=lines)
         for a in plan.actions:
             if a.act is Act.START:
                 serial += 1

@@ -98,3 +98,21 @@ async def test_the_fleet_sees_a_job_routed_to_an_asleep_workers_stream(redis, qu
     supervisor = Supervisor(FleetSettings(), redis, sessions=None)  # type: ignore[arg-type] - no SQL read here
     supervisor.models = {POOL: None, "idle": None}  # type: ignore[dict-item] - read_demand reads the names only
     assert await supervisor.read_demand() == {POOL: 1, "idle": 0}
+
+
+async def test_the_fleet_sees_batch_lines_apart_from_live_demand(redis, queue: LaneQueue, tmp_path,
+                                                                  monkeypatch) -> None:
+    """Batch API lines fed to a pool's batch lane are not live demand (they must not evict anything),
+    but the fleet reads them apart, to bring a model up on idle capacity."""
+    from flatfare.fleet.settings import FleetSettings
+    from flatfare.fleet.supervisor import Supervisor
+
+    for line in range(3):
+        job = Job(request_id=f"batch_x-{line}", endpoint=Endpoint.CHAT, body="{}",
+                  enqueued_ms=int(time.time() * 1000), lane=Lane.BATCH)
+        await redis.xadd(contract.job_stream(POOL, Lane.BATCH), job.to_fields())
+    monkeypatch.setenv("FLATFARE_DATA_DIR", str(tmp_path))
+    supervisor = Supervisor(FleetSettings(), redis, sessions=None)  # type: ignore[arg-type] - no SQL read here
+    supervisor.models = {POOL: None, "idle": None}  # type: ignore[dict-item] - the names only
+    assert await supervisor.read_demand() == {POOL: 0, "idle": 0}
+    assert await supervisor.read_batch_demand() == {POOL: 3}
