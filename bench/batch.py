@@ -1,9 +1,16 @@
 """Batch work on idle capacity: the live lanes' time to first token with and without a batch running.
 
-One gateway, one instant-engine worker with realistic delays (a first token after 50 ms, then 16 tokens
-20 ms apart), a live load of streaming chat requests at a fixed rate (open loop), measured alone and
-with a large batch running on the batch lane, alternately (A B A B: these VMs drift). The batch may
-fill what the live load leaves idle, and must not raise the live TTFT p99 by more than 10 %.
+One gateway and one worker, a live load of streaming chat requests at a fixed rate (open loop),
+measured alone and with a large batch running on the batch lane, alternately (A B A B: these VMs
+drift). The batch may fill what the live load leaves idle, and must not raise the live TTFT p99 by
+more than 10 %.
+
+``--engine instant`` (bench/results/batch.md): the instant engine with realistic delays (a first token
+after 50 ms, then 16 tokens 20 ms apart), so only Flatfare's lanes are measured. ``--engine vllm``
+(bench/results/batch_cpu.md): the real vLLM CPU engine serving the default model, where batch lines and
+live requests share one engine's compute: a CPU worker runs one batch line at a time and starts none
+while a live request runs (a line already running finishes), and batch lines have vLLM's lowest
+priority (``--scheduling-policy priority``).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from bench import report
 from bench.procs import services
 from bench.stack import FlatfareStack
 
-MODEL = "instant"
+INSTANT = "instant"
 DELAYS = {"FLATFARE_INSTANT_FIRST_TOKEN_DELAY_S": "0.05", "FLATFARE_INSTANT_TOKEN_DELAY_S": "0.02",
           "FLATFARE_INSTANT_TOKENS": "16"}
 
@@ -33,12 +40,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, default=20.0, help="seconds each phase measures")
     parser.add_argument("--rounds", type=int, default=2, help="A B pairs")
     parser.add_argument("--batch-lines", type=int, default=4000, help="lines of each phase's batch")
+    parser.add_argument("--engine", choices=["instant", "vllm"], default="instant",
+                        help="the worker's engine: instant (lanes only) or vLLM's CPU engine (the default model)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens of each live request and batch line")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--workdir", type=Path, help="where the stack's files and logs go (default: a temporary folder)")
 
 
-async def _live(url: str, key: str, rate: float, duration_s: float) -> list[float | None]:
+async def _live(url: str, key: str, model: str, rate: float, duration_s: float,
+                max_tokens: int) -> list[float | None]:
     """Open-loop streaming chat requests; each one's time to its first chunk (None: not answered)."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "stream": True}
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
+            "stream": True}
 
     async def one(session: aiohttp.ClientSession) -> float | None:
         started = time.perf_counter()
@@ -59,9 +72,9 @@ async def _live(url: str, key: str, rate: float, duration_s: float) -> list[floa
         return list(await asyncio.gather(*tasks))
 
 
-async def _start_batch(url: str, key: str, lines: int) -> str:
+async def _start_batch(url: str, key: str, model: str, lines: int, max_tokens: int) -> str:
     data = "".join(json.dumps({"custom_id": f"l{i}", "method": "POST", "url": "/v1/chat/completions",
-                               "body": {"model": MODEL, "max_tokens": 16,
+                               "body": {"model": model, "max_tokens": max_tokens,
                                         "messages": [{"role": "user", "content": "hi"}]}}) + "\n"
                    for i in range(lines))
     headers = {"Authorization": f"Bearer {key}"}
@@ -89,12 +102,13 @@ def _p(values: list[float], q: float) -> float:
 
 
 async def _phase(stack: FlatfareStack, args: argparse.Namespace, with_batch: bool) -> list[Any]:
-    batch_id = await _start_batch(stack.base_url, stack.key, args.batch_lines) if with_batch else ""
+    batch_id = (await _start_batch(stack.base_url, stack.key, stack.model, args.batch_lines, args.max_tokens)
+                if with_batch else "")
     if batch_id:  # measure only once it runs
-        while (await _batch(stack.base_url, stack.key, batch_id))["request_counts"]["completed"] < 50:
+        while (await _batch(stack.base_url, stack.key, batch_id))["request_counts"]["completed"] < 20:
             await asyncio.sleep(0.2)
         before = (await _batch(stack.base_url, stack.key, batch_id))["request_counts"]["completed"]
-    ttfts = await _live(stack.base_url, stack.key, args.rate, args.duration)
+    ttfts = await _live(stack.base_url, stack.key, stack.model, args.rate, args.duration, args.max_tokens)
     done = 0.0
     if batch_id:
         state = await _batch(stack.base_url, stack.key, batch_id)
@@ -113,10 +127,20 @@ def run(args: argparse.Namespace) -> int:
     info = report.machine()
     rows: list[list[Any]] = []
     with tempfile.TemporaryDirectory(prefix="ff-bench-batch-") as tmp, services() as group:
-        stack = FlatfareStack(group, Path(tmp), MODEL, worker_args=["--engine", "instant"], extra_env=DELAYS)
+        if args.workdir:
+            args.workdir.mkdir(parents=True, exist_ok=True)
+            tmp = str(args.workdir)
+        if args.engine == "instant":
+            stack = FlatfareStack(group, Path(tmp), INSTANT, worker_args=["--engine", "instant"], extra_env=DELAYS)
+        else:
+            from bench.engine import DEFAULT_NAME, default_model_dir
+
+            # A KV cache of its own size: vLLM's CPU backend otherwise wants 92 % of the host's memory free.
+            stack = FlatfareStack(group, Path(tmp), DEFAULT_NAME, worker_args=["--source", str(default_model_dir())],
+                                  extra_env={"VLLM_CPU_KVCACHE_SPACE": "1"})
         stack.start_storage()
         stack.start_worker()
-        stack.start_gateway()
+        stack.start_gateway(ready_timeout_s=900)
         try:
             for _ in range(args.rounds):
                 for with_batch in (False, True):
@@ -129,8 +153,10 @@ def run(args: argparse.Namespace) -> int:
     columns = ["phase", "live requests", "answered", "TTFT p50 ms", "TTFT p99 ms", "batch lines/s"]
     verdict = (f"Live TTFT p99, median of the phases: {alone:.1f} ms alone, {loaded:.1f} ms with a batch running "
                f"({(loaded / alone - 1) * 100:+.1f} %; the bound is +10 %).")
-    report.write_csv(args.out / "batch.csv", columns, rows)
-    report.write_markdown(args.out / "batch.md", "Batch lines on idle capacity: live TTFT with and without a batch",
+    name = "batch" if args.engine == "instant" else "batch_cpu"
+    engine = "instant engine" if args.engine == "instant" else f"vLLM CPU engine, {stack.model}"
+    report.write_csv(args.out / f"{name}.csv", columns, rows)
+    report.write_markdown(args.out / f"{name}.md", f"Batch lines on idle capacity ({engine}): live TTFT with and without a batch",
                           __doc__ or "", info, {k: str(v) for k, v in vars(args).items() if k != "out"},
                           [("Phases (alternating)", report.markdown_table(columns, rows)), ("Verdict", verdict)])
     print(verdict)

@@ -183,6 +183,8 @@ class Engine:
         # LoRA variants loaded, by name -> adapter path; True once started with enable_lora.
         self.variants: dict[str, str] = {}
         self.lora_enabled = False
+        # vLLM's platform once started ("cuda", "cpu", ...).
+        self.device_type = ""
         self._variant_lock = asyncio.Lock()
         self._models: Any = None
         self._load_request: Any = None
@@ -262,6 +264,7 @@ class Engine:
         config = self._llm.vllm_config
         self._served = _plain(config.model_config.served_model_name)
         self.lora_enabled = config.lora_config is not None
+        self.device_type = str(current_platform.device_type)
         if config.model_config.enable_sleep_mode:
             self.sleep_unavailable = ""
         elif not current_platform.is_sleep_mode_available():

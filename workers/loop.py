@@ -54,6 +54,8 @@ PREFIX_TTL_S = 300
 FRESH_JOB_MS = 20
 # How long the drain waits for the jobs it cancelled to end before it hands them back regardless.
 CANCEL_WAIT_S = 5.0
+# How long a claim waits for new work while batch lines are held back for the jobs this worker runs.
+HELD_BACK_BLOCK_MS = 50
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +82,14 @@ class WorkerLoop:
     def __init__(self, redis: aioredis.Redis, engine: EngineLike, info: WorkerInfo,
                  drain_timeout_s: float = 30.0, metrics: WorkerMetrics | None = None,
                  lease_s: float = contract.DEFAULT_LEASE_S, presence: Presence | None = None,
-                 premium_reserve: int = 0, batch_reserve: int | None = None) -> None:
+                 premium_reserve: int = 0, batch_reserve: int | None = None,
+                 batch_slots: int | None = None, batch_while_live: int | None = None) -> None:
         self.redis = redis
+        # Batch lines held at most at once, and while a live job runs (None: no bound beyond the
+        # reserve). 1 and 0 on a CPU engine: there a batch line in the engine's batch slows the live
+        # jobs' every step (flatfare.workers.settings).
+        self.batch_slots = batch_slots
+        self.batch_while_live = batch_while_live
         # Slots batch lines may not fill, kept for live traffic: a live request admitted while a batch
         # runs is claimed at once (None: a quarter of the capacity, at least one).
         self.batch_reserve = max(info.capacity // 4, 1) if batch_reserve is None else batch_reserve
@@ -204,9 +212,17 @@ class WorkerLoop:
                 continue
             standard = sum(1 for _, _, job in self.entries.values() if job.lane is Lane.STANDARD)
             standard_free = min(free, max(self.info.capacity - self.premium_reserve - standard, 0))
+            unbounded = batch_free = max(free - self.batch_reserve, 0)
+            batch = sum(1 for _, _, job in self.entries.values() if job.lane is Lane.BATCH)
+            if self.batch_slots is not None:
+                batch_free = min(batch_free, max(self.batch_slots - batch, 0))
+            if self.batch_while_live is not None and len(self.entries) > batch:  # live jobs run
+                batch_free = min(batch_free, max(self.batch_while_live - batch, 0))
+            # Batch lines held back for jobs this worker runs: a short wait, so that the batch resumes
+            # soon after one of them ends (nothing wakes the claim then).
+            block_ms = HELD_BACK_BLOCK_MS if batch_free < unbounded and self.entries else 1000
             try:
-                claimed = await self.claimer.claim(free, standard_free=standard_free,
-                                                   batch_free=max(free - self.batch_reserve, 0))
+                claimed = await self.claimer.claim(free, block_ms, standard_free=standard_free, batch_free=batch_free)
             except REDIS_DOWN as exc:
                 await self._redis_failed(exc)
                 continue

@@ -192,8 +192,12 @@ async def serve(settings: WorkerSettings, progress: Callable[[str], None] = log.
         info.extra["metrics_port"] = metrics.serve(settings.metrics_host, settings.metrics_port)
         progress(f"metrics on http://{settings.metrics_host}:{info.extra['metrics_port']}/metrics")
     reserve = settings.premium_reserve if settings.premium_reserve >= 0 else capacity // 8
+    on_cpu = getattr(engine, "device_type", "") == "cpu"
+    batch_slots = settings.batch_slots if settings.batch_slots >= 0 else (1 if on_cpu else None)
+    batch_while_live = settings.batch_while_live if settings.batch_while_live >= 0 else (0 if on_cpu else None)
     loop = WorkerLoop(redis, engine, info, drain_timeout_s=settings.drain_timeout_s, metrics=metrics,
-                      lease_s=settings.job_lease_s, presence=presence, premium_reserve=min(reserve, capacity - 1))
+                      lease_s=settings.job_lease_s, presence=presence, premium_reserve=min(reserve, capacity - 1),
+                      batch_slots=batch_slots, batch_while_live=batch_while_live)
     metrics.watch(lambda: len(loop.inflight), capacity, lambda: loop.draining)
     running = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

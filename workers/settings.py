@@ -47,6 +47,13 @@ class WorkerSettings(CommonSettings):
     max_inflight: int = 0
     # Of those, slots the standard lane may not fill, kept for premium jobs; -1: an eighth of them.
     premium_reserve: int = -1
+    # Batch API lines this worker may hold at once, and while it runs live jobs. -1: by device. On the
+    # CPU every sequence in the engine's batch slows every other, so one line at a time, and none
+    # started while a live job runs: a live request meets at most one line's remaining tokens. On an
+    # accelerator, whose decode steps barely slow with a few more sequences, no bound beyond the
+    # slots kept for live requests.
+    batch_slots: int = -1
+    batch_while_live: int = -1
     # On SIGTERM, how long running jobs may take to finish before they are handed back.
     drain_timeout_s: float = 30.0
     # A job this worker holds but stops renewing (it died) is taken over after this long.

@@ -51,13 +51,15 @@ async def start_worker(redis_url: str) -> AsyncIterator[Callable[..., Any]]:
     clients: list[aioredis.Redis] = []
 
     async def start(engine: InstantEngine | None = None, *, capacity: int = 8, worker_id: str = "w1",
-                    drain_timeout_s: float = 30.0, lease_s: float = contract.DEFAULT_LEASE_S) -> Worker:
+                    drain_timeout_s: float = 30.0, lease_s: float = contract.DEFAULT_LEASE_S,
+                    batch_slots: int | None = None, batch_while_live: int | None = None) -> Worker:
         engine = engine or InstantEngine(tokens=4)
         client = connect(redis_url)
         clients.append(client)
         info = WorkerInfo(worker_id=worker_id, model=POOL, max_model_len=engine.max_model_len, capacity=capacity,
                           engine="instant", started_ms=now_ms())
-        loop = WorkerLoop(client, engine, info, drain_timeout_s=drain_timeout_s, lease_s=lease_s)
+        loop = WorkerLoop(client, engine, info, drain_timeout_s=drain_timeout_s, lease_s=lease_s,
+                          batch_slots=batch_slots, batch_while_live=batch_while_live)
         worker = Worker(loop, asyncio.create_task(loop.run()))
         started.append(worker)
         return worker
@@ -275,3 +277,57 @@ async def test_the_worker_stops_when_redis_py_turns_a_cancellation_into_a_connec
     worker = await start_worker()
     await asyncio.sleep(1.5)
     await worker.stop(timeout_s=15)
+
+
+@pytest.mark.parametrize("batch_while_live", [0, None])
+async def test_batch_lines_wait_while_a_live_job_runs_on_a_cpu_worker(redis, start_worker, batch_while_live) -> None:
+    """On the CPU every sequence in the engine's batch slows the others, so a CPU worker (batch_while_live
+    0) takes no batch line while a live job runs, and takes them once it ended. Without the bound
+    (None: an accelerator's worker) the same lines run beside the live job: the check can fail."""
+    worker = await start_worker(InstantEngine(tokens=2, first_token_delay_s=1.0), batch_while_live=batch_while_live)
+    await _queue(redis, _job("live"))
+    await _eventually(lambda: _async(lambda: "live" in worker.loop.entries))
+    for line in range(3):
+        job = _job(f"batch_x-{line}", lane=Lane.BATCH, reply_to=contract.BATCH_REPLIES)
+        await redis.xadd(contract.job_stream(POOL, Lane.BATCH), job.to_fields())
+    await redis.xadd(contract.wake_stream(POOL), {"j": 1})  # as the batch dispatcher feeds a pool
+    lanes_beside_live: set[Lane] = set()
+    deadline = time.monotonic() + 30
+    while "live" in worker.loop.entries:
+        lanes_beside_live |= {job.lane for _, _, job in worker.loop.entries.values()}
+        assert time.monotonic() < deadline, "the live job did not end within 30 s"
+        await asyncio.sleep(0.01)
+    if batch_while_live == 0:
+        assert Lane.BATCH not in lanes_beside_live
+    else:
+        assert Lane.BATCH in lanes_beside_live
+    # Then the lines run.
+    await _eventually(lambda: _batch_answered(redis, 3))
+
+
+async def _async(value: Callable[[], Any]) -> Any:
+    return value()
+
+
+async def _batch_answered(redis: aioredis.Redis, lines: int) -> bool:
+    """Whether ``lines`` batch lines have their final reply (one shared stream, named by request id)."""
+    entries = await redis.xrange(contract.BATCH_REPLIES)
+    done = {fields[b"i"] for _, fields in entries if Reply.from_fields(fields).kind.terminal}
+    return len(done) >= lines
+
+
+async def test_a_cpu_worker_runs_one_batch_line_at_a_time(redis, start_worker) -> None:
+    """batch_slots bounds the batch lines held at once (1 on the CPU); each next line is taken soon after
+    the last ends, without waiting for a new admission to wake the claim."""
+    worker = await start_worker(InstantEngine(tokens=2, first_token_delay_s=0.2), batch_slots=1)
+    for line in range(4):
+        job = _job(f"batch_x-{line}", lane=Lane.BATCH, reply_to=contract.BATCH_REPLIES)
+        await redis.xadd(contract.job_stream(POOL, Lane.BATCH), job.to_fields())
+    await redis.xadd(contract.wake_stream(POOL), {"j": 1})
+    most, deadline = 0, time.monotonic() + 30
+    while not await _batch_answered(redis, 4):
+        most = max(most, sum(1 for _, _, job in worker.loop.entries.values() if job.lane is Lane.BATCH))
+        assert time.monotonic() < deadline, "the batch lines were not answered within 30 s"
+        await asyncio.sleep(0.01)
+    assert most == 1
+
