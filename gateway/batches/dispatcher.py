@@ -391,6 +391,14 @@ def _checked(endpoint: Endpoint, line: InputLine, terms: AccountTerms, key: ApiK
     cap = terms.plan.max_output_tokens
     if cap is not None and kind.output_param is not None and parsed.output_tokens() is None:
         body[kind.output_param] = cap
+    if endpoint is Endpoint.RESPONSES:
+        if body.get("previous_response_id"):
+            return line.body, APIError(400, "previous_response_id is not supported in a batch: send the whole "
+                                       "conversation as the line's input.", param="previous_response_id",
+                                       code="unsupported_parameter")
+        # A batch line's response is in the batch's output file, not kept for GET /v1/responses/{id}; the
+        # worker's vLLM keeps nothing either.
+        body["store"] = False
     for name in ("request_id", "priority"):  # the worker's to set
         body.pop(name, None)
     return json.dumps(body, separators=(",", ":")), None

@@ -207,3 +207,24 @@ def test_a_line_a_live_request_would_be_refused_for_fails_free_and_the_rest_run(
     assert errors["greedy"]["status_code"] == 400 and errors["greedy"]["body"]["error"]["code"] == "too_many_sequences"
     assert errors["nowhere"]["status_code"] == 404 and errors["nowhere"]["body"]["error"]["code"] == "model_not_found"
     assert [r[0] for r in ledger(bstack, done.id)] == [f"{done.id}-0"]  # refused lines never ran: no row
+
+
+def test_a_responses_batch_runs_unstored_and_refuses_previous_response_id(bstack: Stack) -> None:
+    """/v1/responses lines run like the others (billed at the discount), their answers only in the output
+    file: a line naming previous_response_id fails free (a batch has no conversation to continue)."""
+    sdk = client(bstack)
+    lines = {"fresh": {"model": MODEL, "input": "hi", "max_output_tokens": 4},
+             "continued": {"model": MODEL, "input": "and then?", "previous_response_id": "resp_abc"}}
+    data = "".join(json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/responses", "body": body}) + "\n"
+                   for cid, body in lines.items()).encode()
+    uploaded = sdk.files.create(file=("responses.jsonl", data), purpose="batch")
+    batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/responses", completion_window="24h")
+    done = wait_for(sdk, batch.id, "completed")
+    assert (done.request_counts.completed, done.request_counts.failed) == (1, 1)
+    (error,) = jsonl(sdk, done.error_file_id)
+    assert error["custom_id"] == "continued" and error["response"]["status_code"] == 400
+    assert error["response"]["body"]["error"]["code"] == "unsupported_parameter"
+    (row,) = ledger(bstack, done.id)
+    assert row[1:] == ("batch:responses", True, PRICE * (100 - DISCOUNT) // 100, "succeeded")
+    # The line's job asked the worker's vLLM to keep nothing, and Flatfare kept nothing either.
+    assert not bstack.sql("SELECT count(*) FROM stored_responses")[0][0]
