@@ -164,6 +164,10 @@ class WorkerLoop:
         self._parked.clear()
         self._awake.clear()
         self._slot_freed.set()
+        # A claim blocked on the pool's wake stream (up to 1 s) would hold the pause, and with it the
+        # engine's sleep and whatever model waits for this slot: ring it, as an admission does.
+        with contextlib.suppress(*REDIS_DOWN):
+            await self.redis.xadd(self.claimer.wake, {"p": 1}, maxlen=64, approximate=True)
         await self._parked.wait()
         await self._drain()
 

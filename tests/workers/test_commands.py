@@ -122,3 +122,15 @@ async def test_a_command_issued_before_the_last_state_change_is_ignored(redis, s
     assert (await _info(redis)).state is WorkerState.ASLEEP and engine.asleep_level == 1
     await _send(redis, CommandKind.WAKE)
     await _in_state(redis, WorkerState.WARM)
+
+
+async def test_a_sleep_rings_the_pools_wake_stream_so_a_blocked_claim_lets_it_through(redis, start_worker) -> None:
+    """An idle worker's claim blocks on the pool's wake stream for up to a second, and the pause waits for
+    the claim: the sleep rings the stream (as an admission does) instead of waiting that second out,
+    which a wake through a fleet (put another engine to sleep, then wake this one) pays twice."""
+    await start_worker(InstantEngine(tokens=1))
+    await _in_state(redis, WorkerState.WARM)
+    await _send(redis, CommandKind.SLEEP)
+    await _in_state(redis, WorkerState.ASLEEP)
+    rung = [fields for _, fields in await redis.xrange(contract.wake_stream(POOL))]
+    assert {b"p": b"1"} in rung
