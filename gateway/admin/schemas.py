@@ -70,12 +70,17 @@ class _PlanFields(_In):
     max_inflight: MaxInflight | None = None
     # Inputs one embeddings request may carry (one request is one unit: its work is bounded).
     max_embedding_inputs: Annotated[int, Field(ge=1, le=100_000)] | None = None
+    # Percent off the per-request price for a Batch API line.
+    batch_discount_percent: Annotated[int, Field(ge=0, le=100)] | None = None
+    # Batch lines an account may have run or pending per quota day; null: no cap.
+    batch_daily_limit: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None
     timezone: str | None = None
     trial_days: Annotated[int, Field(ge=1, le=365)] | None = None
     retired: bool | None = None
 
     _not_null = field_validator("display_name", "price_per_request_micros", "monthly_price_cents", "lane", "max_n",
-                                "max_body_bytes", "max_embedding_inputs", "timezone", "retired")(_refuse_null)
+                                "max_body_bytes", "max_embedding_inputs", "batch_discount_percent", "timezone",
+                                "retired")(_refuse_null)
 
     @field_validator("timezone")
     @classmethod
@@ -111,6 +116,8 @@ class PlanPublic(_Out):
     max_prompt_tokens: int | None
     max_inflight: int | None
     max_embedding_inputs: int
+    batch_discount_percent: int
+    batch_daily_limit: int | None
     timezone: str
     trial_days: int | None
     retired: bool

@@ -147,6 +147,23 @@ def test_an_edited_prompt_cap_takes_effect(astack, admin) -> None:
     eventually(lambda: send(astack.base_url), lambda r: r.status_code == 200, "the cap lifted")
 
 
+def test_batch_and_embedding_columns_are_created_patched_read_and_audited(admin) -> None:
+    created = admin.post("/plans", json={"name": "bulk", "display_name": "Bulk", "batch_discount_percent": 30,
+                                         "batch_daily_limit": 500, "max_embedding_inputs": 64}).json()
+    assert (created["batch_discount_percent"], created["batch_daily_limit"], created["max_embedding_inputs"]) == (
+        30, 500, 64)
+    defaults = admin.post("/plans", json={"name": "bulk-default", "display_name": "Bulk default"}).json()
+    assert (defaults["batch_discount_percent"], defaults["batch_daily_limit"]) == (50, None)  # the columns' defaults
+    patched = admin.patch("/plans/bulk", json={"batch_discount_percent": 0, "batch_daily_limit": None}).json()
+    assert (patched["batch_discount_percent"], patched["batch_daily_limit"]) == (0, None)
+    read = admin.get("/plans/bulk").json()
+    assert (read["batch_discount_percent"], read["batch_daily_limit"], read["max_embedding_inputs"]) == (0, None, 64)
+    audit = admin.get("/audit", params={"resource_type": "plan", "resource_id": "bulk"}).json()["data"]
+    update = next(entry for entry in audit if entry["action"] == "plan.update")
+    assert (update["before"]["batch_discount_percent"], update["after"]["batch_discount_percent"]) == (30, 0)
+    assert (update["before"]["batch_daily_limit"], update["after"]["batch_daily_limit"]) == (500, None)
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
@@ -158,6 +175,11 @@ def test_an_edited_prompt_cap_takes_effect(astack, admin) -> None:
         ("/plans/pro", {"max_prompt_tokens": 10_000_001}, "max_prompt_tokens"),
         ("/plans/pro", {"max_inflight": 0}, "max_inflight"),
         ("/plans/pro", {"max_inflight": 100_001}, "max_inflight"),
+        ("/plans/pro", {"batch_discount_percent": -1}, "batch_discount_percent"),
+        ("/plans/pro", {"batch_discount_percent": 101}, "batch_discount_percent"),
+        ("/plans/pro", {"batch_discount_percent": None}, "batch_discount_percent"),
+        ("/plans/pro", {"batch_daily_limit": 0}, "batch_daily_limit"),
+        ("/plans/pro", {"max_embedding_inputs": 0}, "max_embedding_inputs"),
         ("/accounts/1", {"max_inflight_override": 0}, "max_inflight_override"),
         ("/accounts/1", {"max_inflight_override": 100_001}, "max_inflight_override"),
         ("/models/smollm2-135m-instruct", {"engine_options": {"quantization": "magic"}},
