@@ -31,11 +31,15 @@ PLAN_FIELDS: list[tuple[str, str, str]] = [
     ("max_prompt_tokens", "Input tokens", "Empty: the model's context."),
     ("max_body_bytes", "Body bytes", "1,024 to 67,108,864."),
     ("allowed_models", "Models", "Comma-separated; empty: every model."),
+    ("max_embedding_inputs", "Embedding inputs", "Inputs one embeddings request may carry."),
+    ("batch_discount_percent", "Batch discount (%)", "Off the per-request price for a Batch API line; 0 to 100."),
+    ("batch_daily_limit", "Batch lines a day", "Run or pending per quota day; empty: no cap."),
     ("timezone", "Day's timezone", "IANA name, e.g. UTC or Europe/Paris."),
     ("trial_days", "Trial days", "Empty: not a trial."),
 ]
-_NULLABLE_INTS = {"daily_limit", "max_inflight", "max_output_tokens", "max_prompt_tokens", "trial_days"}
-_INTS = {"max_n", "max_body_bytes"}
+_NULLABLE_INTS = {"daily_limit", "max_inflight", "max_output_tokens", "max_prompt_tokens", "trial_days",
+                  "batch_daily_limit"}
+_INTS = {"max_n", "max_body_bytes", "max_embedding_inputs", "batch_discount_percent"}
 # A pydantic error on an API field belongs to this form field.
 _FORM_FIELD_OF = {"price_per_request_micros": "price_per_request", "monthly_price_cents": "monthly_price"}
 
@@ -80,6 +84,9 @@ def plan_values(plan: Plan) -> dict[str, str]:
         "max_prompt_tokens": text(plan.max_prompt_tokens),
         "max_body_bytes": text(plan.max_body_bytes),
         "allowed_models": ", ".join(plan.allowed_models) if plan.allowed_models is not None else "",
+        "max_embedding_inputs": text(plan.max_embedding_inputs),
+        "batch_discount_percent": text(plan.batch_discount_percent),
+        "batch_daily_limit": text(plan.batch_daily_limit),
         "timezone": plan.timezone,
         "trial_days": text(plan.trial_days),
         "retired": "on" if plan.retired else "",

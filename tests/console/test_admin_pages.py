@@ -292,6 +292,36 @@ def test_editing_a_plan_validates_like_the_api_and_audits(astack, admin) -> None
     assert restored.status_code == 200
 
 
+def test_the_plan_form_edits_the_batch_and_embedding_columns(astack, admin) -> None:
+    client, csrf = admin
+    original = astack.api.get("/plans/pro").json()
+    text = client.get("/console/admin/plans/pro").text
+    form = dict(re.findall(r'<input type="text" name="([a-z_]+)" value="([^"]*)"', text))
+    assert "Batch discount (%)" in text and "Batch lines a day" in text and "Embedding inputs" in text
+    assert (form["batch_discount_percent"], form["batch_daily_limit"], form["max_embedding_inputs"]) == (
+        str(original["batch_discount_percent"]), str(original["batch_daily_limit"]),
+        str(original["max_embedding_inputs"]))
+    form["lane"] = re.search(r'<option value="(\w+)" selected>', text).group(1)
+    before = len(audit_entries(astack, "plan.update"))
+    refused = client.post("/console/admin/plans/pro", data={**form, "csrf_token": csrf, "max_embedding_inputs": ""})
+    assert refused.status_code == 422 and "Required." in refused.text
+    refused = client.post("/console/admin/plans/pro", data={**form, "csrf_token": csrf, "batch_discount_percent": "101",
+                                                             "batch_daily_limit": "0"})
+    assert refused.status_code == 422 and "less than or equal to 100" in refused.text
+    assert "greater than or equal to 1" in refused.text
+    assert len(audit_entries(astack, "plan.update")) == before
+    saved = client.post("/console/admin/plans/pro", headers={"HX-Request": "true", "X-CSRF-Token": csrf},
+                        data={**form, "batch_discount_percent": "25", "batch_daily_limit": "", "max_embedding_inputs": "8"})
+    assert saved.status_code == 200 and "25 %" in saved.text
+    assert astack.sql("SELECT batch_discount_percent, batch_daily_limit, max_embedding_inputs FROM plans "
+                      "WHERE name = 'pro'") == [(25, None, 8)]
+    entry = audit_entries(astack, "plan.update")[0]
+    assert {k for k in entry["after"] if entry["after"][k] != entry["before"][k]} == {
+        "batch_discount_percent", "batch_daily_limit", "max_embedding_inputs"}
+    assert astack.api.patch("/plans/pro", json={k: original[k] for k in (
+        "batch_discount_percent", "batch_daily_limit", "max_embedding_inputs")}).status_code == 200
+
+
 def test_models_page_shows_live_state_and_its_writes_are_audited(astack, admin) -> None:
     client, csrf = admin
     assert _chat(astack, astack.api_key).status_code == 200
