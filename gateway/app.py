@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import timedelta
 
 from flatfare.logs import configure_logging
 from flatfare.contract import Lane
@@ -76,7 +77,7 @@ def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
             state.pools, router, Replies(redis), ledger, state.plans, state.quota,
             LaneQueue(redis, limits, state.quota, held.key), PrefixRouter(redis, settings.prefix_routing), held,
             metrics, RequestScreen(redis), Tokenizers(redis, settings.pools_cache_ttl_s), settings.cold_start_timeout_s)
-        state.response_store = ResponseStore(sessions)
+        state.response_store = ResponseStore(sessions, timedelta(days=settings.responses_retention_days))
         state.responses = ResponsesService(state.completions, state.response_store)
         state.accounts = AccountStore(sessions)
         console.start(app, settings, redis)
@@ -86,6 +87,7 @@ def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
         background: list[asyncio.Task[None]] = []
         background.append(files.start(state, settings, sessions, stop))
         background.append(batches.start(state, redis, sessions, stop))
+        background.append(asyncio.create_task(state.response_store.run_purger(stop, settings.files_sweep_interval_s)))
         if settings.stripe_enabled:
             state.stripe = StripeGateway(settings.stripe_config())
             sender = OutboxSender(sessions, state.stripe, settings.billing_outbox_max_backoff_s)

@@ -126,6 +126,9 @@ class GatewaySettings(CommonSettings):
     files_account_max_files: int = Field(default=1000, ge=1)
     # How often each gateway process deletes expired files (their rows, bytes and counts).
     files_sweep_interval_s: float = Field(default=60.0, gt=0)
+    # Stored responses (POST /v1/responses with store) are kept this long, as OpenAI keeps them; older
+    # ones read as absent and each gateway process deletes them every files_sweep_interval_s.
+    responses_retention_days: float = Field(default=30.0, gt=0)
 
     @property
     def stripe_enabled(self) -> bool:

@@ -1,10 +1,15 @@
 """Stored responses in SQL, each owned by its account: saved when a ``store`` response finishes, read
-back by any gateway process. Another account's response reads as absent, as OpenAI answers it."""
+back by any gateway process. Another account's response reads as absent, as OpenAI answers it, and so
+does one older than the retention (``responses_retention_days``, 30 as OpenAI keeps them), which every
+gateway process also deletes now and then."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import orjson
@@ -12,7 +17,13 @@ from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from flatfare.storage.db import DATABASE_DOWN
 from flatfare.storage.models import StoredResponse
+
+log = logging.getLogger("flatfare.gateway")
+
+# Rows one purge deletes at most (the next pass takes the rest).
+PURGE_BATCH = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,8 +35,12 @@ class Kept:
 
 
 class ResponseStore:
-    def __init__(self, sessions: async_sessionmaker[AsyncSession]) -> None:
+    def __init__(self, sessions: async_sessionmaker[AsyncSession], retention: timedelta = timedelta(days=30)) -> None:
         self._sessions = sessions
+        self.retention = retention
+
+    def _oldest_kept(self, now: datetime | None = None) -> datetime:
+        return (now or datetime.now(UTC)) - self.retention
 
     async def save(self, account_id: int, request_id: str, created_at: datetime, response: dict[str, Any],
                    input_items: list[dict[str, Any]]) -> None:
@@ -42,11 +57,34 @@ class ResponseStore:
     async def get(self, account_id: int, response_id: str) -> Kept | None:
         async with self._sessions() as session:
             row = (await session.execute(select(StoredResponse.response, StoredResponse.input_items).where(
-                StoredResponse.id == response_id, StoredResponse.account_id == account_id))).first()
+                StoredResponse.id == response_id, StoredResponse.account_id == account_id,
+                StoredResponse.created_at > self._oldest_kept()))).first()
         return None if row is None else Kept(orjson.loads(row.response), orjson.loads(row.input_items))
 
     async def delete(self, account_id: int, response_id: str) -> bool:
         async with self._sessions.begin() as session:
             result = await session.execute(delete(StoredResponse).where(
-                StoredResponse.id == response_id, StoredResponse.account_id == account_id))
+                StoredResponse.id == response_id, StoredResponse.account_id == account_id,
+                StoredResponse.created_at > self._oldest_kept()))
         return bool(result.rowcount)
+
+    async def purge_expired(self, now: datetime | None = None) -> int:
+        """Delete up to PURGE_BATCH responses past the retention; how many went."""
+        async with self._sessions.begin() as session:
+            expired = select(StoredResponse.id).where(StoredResponse.created_at <= self._oldest_kept(now)) \
+                .limit(PURGE_BATCH)
+            result = await session.execute(delete(StoredResponse).where(StoredResponse.id.in_(expired)))
+        return int(result.rowcount or 0)
+
+    async def run_purger(self, stop: asyncio.Event, every_s: float) -> None:
+        """Every ``every_s``, what expired goes (in every gateway process: a delete twice deletes once)."""
+        while not stop.is_set():
+            try:
+                while (purged := await self.purge_expired()) >= PURGE_BATCH:
+                    log.info("expired responses deleted", extra={"responses": purged})
+                if purged:
+                    log.info("expired responses deleted", extra={"responses": purged})
+            except DATABASE_DOWN as exc:
+                log.warning("expired responses not deleted: %s", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), every_s)
