@@ -24,7 +24,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from flatfare.billing.stripe_client import BillingError, StripeGateway
 from flatfare.contract import OUTBOX_LEADER_KEY as LEADER_KEY
-from flatfare.storage.models import Account, OutboxStatus, RequestRecord, UsageOutbox
+from flatfare.billing.ledger import BATCH_ENDPOINT_PREFIX
+from flatfare.storage.models import Account, Meter, OutboxStatus, RequestRecord, UsageOutbox
 
 log = logging.getLogger("flatfare.billing")
 
@@ -73,7 +74,8 @@ class OutboxSender:
         else:
             try:
                 await self._stripe.send_meter_event(customer_id=customer_id, identifier=row.request_id,
-                                                    timestamp=int(row.created_at.timestamp()))
+                                                    timestamp=int(row.created_at.timestamp()),
+                                                    batch=row.meter == Meter.BATCH.value)
                 values = {"status": OutboxStatus.SENT.value, "sent_at": now, "attempts": row.attempts + 1}
             except BillingError as exc:
                 attempts = row.attempts + 1
@@ -124,14 +126,16 @@ async def reconcile(sessions: async_sessionmaker[AsyncSession], day: str) -> Rec
     """Compare the day's priced, billable ledger rows with the outbox and add the missing rows."""
     now = datetime.now(UTC)
     async with sessions() as session, session.begin():
-        billable = select(RequestRecord.id, RequestRecord.account_id).where(
+        billable = select(RequestRecord.id, RequestRecord.account_id, RequestRecord.endpoint).where(
             RequestRecord.quota_day == day, RequestRecord.billable.is_(True), RequestRecord.price_micros > 0,
             RequestRecord.status != "queued")
         missing = (await session.execute(
             billable.where(~RequestRecord.id.in_(select(UsageOutbox.request_id))))).all()
-        for request_id, account_id in missing:
+        for request_id, account_id, endpoint in missing:
+            meter = Meter.BATCH if endpoint.startswith(BATCH_ENDPOINT_PREFIX) else Meter.REQUESTS
             session.add(UsageOutbox(request_id=request_id, account_id=account_id, day=day, created_at=now,
-                                    status=OutboxStatus.PENDING.value, attempts=0, next_attempt_at=now))
+                                    status=OutboxStatus.PENDING.value, attempts=0, next_attempt_at=now,
+                                    meter=meter.value))
         await session.flush()
         total = await session.scalar(select(func.count()).select_from(billable.subquery()))
         in_outbox = await session.scalar(select(func.count()).where(UsageOutbox.day == day))

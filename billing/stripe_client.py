@@ -32,6 +32,8 @@ class StripeConfig:
     webhook_secret: str
     api_base: str | None = None
     meter_event_name: str = "flatfare_requests"
+    # Batch API lines: a meter of their own, priced per plan at the batch discount.
+    batch_meter_event_name: str = "flatfare_batch_requests"
     webhook_tolerance_s: int = 300
     # Per call; a call that times out is retried later (meter events safely: see send_meter_event).
     timeout_s: float = 20.0
@@ -63,12 +65,15 @@ class StripeGateway:
 
     async def create_checkout_session(self, *, customer_id: str, price_id: str, account_id: int,
                                       success_url: str, cancel_url: str,
-                                      metered_price_id: str | None = None) -> tuple[str, str]:
-        """A subscription Checkout for the plan's monthly price, plus its metered per-request price when
-        it has one: a metered price takes no quantity, Stripe invoices the meter's usage each period."""
+                                      metered_price_id: str | None = None,
+                                      batch_metered_price_id: str | None = None) -> tuple[str, str]:
+        """A subscription Checkout for the plan's monthly price, plus its metered per-request price and its
+        batch lines' metered price when it has them: a metered price takes no quantity, Stripe invoices
+        the meter's usage each period."""
         items: list[dict[str, Any]] = [{"price": price_id, "quantity": 1}]
-        if metered_price_id:
-            items.append({"price": metered_price_id})
+        for metered in (metered_price_id, batch_metered_price_id):
+            if metered:
+                items.append({"price": metered})
         session = await self._call(self._client.v1.checkout.sessions.create_async(params={
             "mode": "subscription", "customer": customer_id, "client_reference_id": str(account_id),
             "line_items": items, "success_url": success_url, "cancel_url": cancel_url}))
@@ -79,12 +84,15 @@ class StripeGateway:
             params={"customer": customer_id, "return_url": return_url}))
         return session.url
 
-    async def send_meter_event(self, *, customer_id: str, identifier: str, timestamp: int, value: int = 1) -> None:
-        """One billable request, sent as many times as it takes, billed once: Stripe keeps one event per
-        ``identifier``, and the idempotency key makes a retry of a call whose answer was lost (a
-        timeout after Stripe recorded it) get the first call's answer instead of a duplicate's error."""
+    async def send_meter_event(self, *, customer_id: str, identifier: str, timestamp: int, value: int = 1,
+                               batch: bool = False) -> None:
+        """One billable request (``batch``: a Batch API line, to the batch meter), sent as many times as it
+        takes, billed once: Stripe keeps one event per ``identifier``, and the idempotency key makes a
+        retry of a call whose answer was lost (a timeout after Stripe recorded it) get the first call's
+        answer instead of a duplicate's error."""
+        event_name = self.config.batch_meter_event_name if batch else self.config.meter_event_name
         await self._call(self._client.v1.billing.meter_events.create_async(params={
-            "event_name": self.config.meter_event_name, "identifier": identifier, "timestamp": timestamp,
+            "event_name": event_name, "identifier": identifier, "timestamp": timestamp,
             "payload": {"stripe_customer_id": customer_id, "value": str(value)}},
             options={"idempotency_key": f"meter-{identifier}"}))
 

@@ -70,11 +70,18 @@ async def start_checkout(state: Any, account: Account, plan: str) -> tuple[str, 
         raise APIError(503, f"Plan '{plan}' cannot be bought right now: its per-request price has no Stripe "
                        "price configured. The platform's operator must set FLATFARE_STRIPE_METERED_PRICES.",
                        code="billing_not_configured")
+    per_request = rules is not None and rules.price_per_request_micros > 0
+    batch_metered = settings.stripe_batch_metered_prices.get(plan)
+    if per_request and not batch_metered:
+        # Sold all the same (a live request is invoiced), but its batch lines go uninvoiced: say so.
+        log.warning("plan %s has a batch price but FLATFARE_STRIPE_BATCH_METERED_PRICES names no price for it: "
+                    "its Batch API lines are metered and not invoiced", plan)
     customer_id = await _customer(state, account, stripe)
     try:
         return await stripe.create_checkout_session(
             customer_id=customer_id, price_id=price, account_id=account.id,
-            metered_price_id=metered if rules is not None and rules.price_per_request_micros > 0 else None,
+            metered_price_id=metered if per_request else None,
+            batch_metered_price_id=batch_metered if per_request else None,
             success_url=f"{settings.public_url}/billing/success", cancel_url=f"{settings.public_url}/billing/cancel")
     except BillingError as exc:
         raise _unavailable(exc) from exc

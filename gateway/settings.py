@@ -70,6 +70,10 @@ class GatewaySettings(CommonSettings):
     # price: Checkout attaches it beside the monthly price, so Stripe invoices the requests.
     stripe_metered_prices: dict[str, str] = Field(default_factory=dict)
     stripe_meter_event_name: str = "flatfare_requests"
+    # Plan name -> the Stripe Price of the batch meter (Batch API lines), priced at the plan's per-request
+    # price less its batch discount; Checkout attaches it beside the plan's metered price.
+    stripe_batch_metered_prices: dict[str, str] = Field(default_factory=dict)
+    stripe_batch_meter_event_name: str = "flatfare_batch_requests"
     # Seconds a Stripe call may take before it counts as failed (and is retried, for meter events).
     stripe_timeout_s: float = 20.0
     # Where Checkout and the customer portal send the developer back to.
@@ -138,4 +142,4 @@ class GatewaySettings(CommonSettings):
         return StripeConfig(api_key=self.stripe_api_key.get_secret_value(),
                             webhook_secret=self.stripe_webhook_secret.get_secret_value(),
                             api_base=self.stripe_api_base or None, meter_event_name=self.stripe_meter_event_name,
-                            timeout_s=self.stripe_timeout_s)
+                            batch_meter_event_name=self.stripe_batch_meter_event_name, timeout_s=self.stripe_timeout_s)

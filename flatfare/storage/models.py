@@ -222,6 +222,14 @@ class OutboxStatus(StrEnum):
     SKIPPED = "skipped"
 
 
+class Meter(StrEnum):
+    """Which Stripe meter a usage row goes to: live requests at the plan's per-request price, Batch API
+    lines at its batch price (a meter of their own, priced per plan at the discount)."""
+
+    REQUESTS = "requests"
+    BATCH = "batch_requests"
+
+
 class UsageOutbox(Base):
     """One Stripe meter event to send per billable request, written with the ledger's final update."""
 
@@ -236,6 +244,7 @@ class UsageOutbox(Base):
     next_attempt_at: Mapped[datetime] = mapped_column(UTCDateTime())
     sent_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     last_error: Mapped[str | None] = mapped_column(String(512))
+    meter: Mapped[str] = mapped_column(String(32), default=Meter.REQUESTS.value, server_default=Meter.REQUESTS.value)
 
 
 class StripeEvent(Base):

@@ -26,8 +26,8 @@ from flatfare.billing.usage import UPSERT_ACCOUNT, UPSERT_PLATFORM, Rollup
 from flatfare.contract import Reply, ReplyKind
 from flatfare.gateway.batches.lines import line_price
 from flatfare.gateway.batches.protocol import ENDPOINTS
-from flatfare.storage.models import (Account, Batch, BatchLine, BatchLineStatus, OutboxStatus, Plan, RequestRecord,
-                                     RequestStatus, UsageOutbox)
+from flatfare.storage.models import (Account, Batch, BatchLine, BatchLineStatus, Meter, OutboxStatus, Plan,
+                                     RequestRecord, RequestStatus, UsageOutbox)
 
 log = logging.getLogger("flatfare.batches")
 
@@ -151,12 +151,11 @@ class ResultCollector:
         session.add(RequestRecord(**ledger))
         rollup.opened(ledger)
         if ok and price:
-            # Stripe's meter prices every event at the plan's full per-request price: a batch line is
-            # not metered there (the outbox row says so; reconcile sees it and adds none).
+            # To Stripe's batch meter, priced per plan at the batch discount (the live requests' meter
+            # prices every event at the full per-request price); billed once: the row's key is the line's.
             session.add(UsageOutbox(request_id=result.request_id, account_id=batch.account_id, day=day,
-                                    created_at=now, status=OutboxStatus.SKIPPED.value, attempts=0,
-                                    next_attempt_at=now, last_error="batch line: billed at the batch price, "
-                                    "not metered"))
+                                    created_at=now, status=OutboxStatus.PENDING.value, attempts=0,
+                                    next_attempt_at=now, meter=Meter.BATCH.value))
         return ok
 
 

@@ -55,6 +55,10 @@ def test_a_batch_of_100_lines_runs_each_line_once_billed_at_the_discount(bstack:
     rows = ledger(bstack, batch.id)
     assert len(rows) == 100 and {r[1:] for r in rows} == {("batch:chat", True, PRICE * (100 - DISCOUNT) // 100,
                                                           "succeeded")}
+    # One usage row a line, for Stripe's batch meter (this stack has no Stripe: they wait, pending).
+    usage = bstack.sql("SELECT meter, status, count(*) FROM usage_outbox WHERE request_id LIKE :p GROUP BY meter, status",
+                       p=f"{batch.id}-%")
+    assert [tuple(row) for row in usage] == [("batch_requests", "pending", 100)]
     assert batch_jobs_taken(bstack) >= 100
 
 

@@ -19,7 +19,7 @@ from bench.stripe_edge import StripeEdge
 from flatfare.billing.ledger import Charge, Ledger, Outcome
 from flatfare.billing.outbox import LEADER_KEY, OutboxSender, reconcile
 from flatfare.billing.stripe_client import StripeConfig, StripeGateway
-from flatfare.storage.models import RequestStatus, UsageOutbox
+from flatfare.storage.models import Meter, RequestStatus, UsageOutbox
 from tests.billing.conftest import account_with_key
 
 DAY = "2026-12-03"
@@ -232,3 +232,26 @@ async def test_the_lease_outlives_the_slowest_stripe_call(sessions, edge, redis)
         stop.set()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(runner, 10)
+
+
+async def test_batch_lines_go_to_the_batch_meter_and_reconcile_puts_them_back_there(sessions, ledger, edge) -> None:
+    """A Batch API line (ledger endpoint ``batch:...``) is priced at the batch discount, so it goes to a meter
+    of its own (``flatfare_batch_requests``), never the requests meter; a lost row comes back on it."""
+    issued = await account_with_key(sessions, "acme", stripe_customer_id=CUSTOMER)
+    for request_id, endpoint in (("live-1", "chat"), ("batch_x-0", "batch:chat"), ("batch_x-1", "batch:chat")):
+        await ledger.open(request_id=request_id, account_id=issued.account_id, api_key_id=issued.key_id, model="m",
+                          endpoint=endpoint, stream=False, created_at=datetime.now(UTC), charge=CHARGE)
+        await ledger.close(request_id, Outcome(RequestStatus.SUCCEEDED, 200))
+    async with sessions() as session, session.begin():
+        # The collector writes batch lines' rows on the batch meter; one of them is lost.
+        await session.execute(update(UsageOutbox).where(UsageOutbox.request_id == "batch_x-0")
+                              .values(meter=Meter.BATCH.value))
+        await session.execute(delete(UsageOutbox).where(UsageOutbox.request_id == "batch_x-1"))
+    assert (await reconcile(sessions, DAY)).repaired == 1
+    assert {r: row.meter for r, row in (await _rows(sessions)).items()} == {
+        "live-1": "requests", "batch_x-0": "batch_requests", "batch_x-1": "batch_requests"}
+
+    assert await OutboxSender(sessions, _gateway(edge)).send_due(_later(1)) == 3
+    assert sorted((e["identifier"], e["event_name"]) for e in edge.meter_events) == [
+        ("batch_x-0", "flatfare_batch_requests"), ("batch_x-1", "flatfare_batch_requests"),
+        ("live-1", "flatfare_requests")]

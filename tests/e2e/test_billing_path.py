@@ -54,6 +54,7 @@ def billing(tmp_path_factory) -> Iterator[tuple]:
     env = {"FLATFARE_STRIPE_API_KEY": "sk_test_flatfare", "FLATFARE_STRIPE_WEBHOOK_SECRET": SECRET,
            "FLATFARE_STRIPE_API_BASE": edge.url, "FLATFARE_STRIPE_PRICES": json.dumps(PRICES),
            "FLATFARE_STRIPE_METERED_PRICES": json.dumps(METERED),
+           "FLATFARE_STRIPE_BATCH_METERED_PRICES": json.dumps({"premium": "price_premium_batch"}),
            "FLATFARE_BILLING_OUTBOX_INTERVAL_S": "0.2", "FLATFARE_AUTH_CACHE_TTL_S": "0.1",
            "FLATFARE_PLANS_CACHE_TTL_S": "0.1"}
     try:
@@ -227,6 +228,8 @@ def test_checkout_attaches_the_metered_price_of_a_plan_that_charges_per_request(
     assert (sent["line_items[0][price]"], sent["line_items[0][quantity]"]) == ("price_premium", "1")
     assert sent["line_items[1][price]"] == "price_premium_requests"
     assert "line_items[1][quantity]" not in sent  # a metered price takes no quantity
+    # And its Batch API lines' meter, priced at the batch discount.
+    assert sent["line_items[2][price]"] == "price_premium_batch" and "line_items[2][quantity]" not in sent
     free = httpx.post(f"{stack.base_url}/v1/billing/checkout", json={"plan": "free"}, headers=auth)
     assert free.status_code == 200, free.text
     assert edge.checkouts[-1]["line_items[0][price]"] == "price_free"
