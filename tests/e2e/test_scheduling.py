@@ -330,7 +330,7 @@ def test_models_report_warmth(sstack) -> None:
     assert cards[MODEL]["state"] == "warm"
     # The default model is pinned in the catalog but nothing serves it here.
     assert cards["smollm2-135m-instruct"]["state"] == "unavailable"
-    starting = _worker(sstack, "--model", "instant-slow-start", FLATFARE_INSTANT_START_DELAY_S="30")
+    starting = _worker(sstack, "--model", "instant-slow-start", FLATFARE_INSTANT_START_DELAY_S="8")
     try:
         deadline = time.monotonic() + 20
         while True:
@@ -339,9 +339,11 @@ def test_models_report_warmth(sstack) -> None:
                 break
             assert time.monotonic() < deadline, cards
             time.sleep(0.2)
-        refused = httpx.post(f"{sstack.base_url}/v1/chat/completions", headers=auth,
-                             json={"model": "instant-slow-start", "messages": MESSAGES})
-        assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_unavailable"
+        # Asked while it starts: admitted, and answered once it is warm, saying how long it waited.
+        waited = httpx.post(f"{sstack.base_url}/v1/chat/completions", headers=auth, timeout=120,
+                            json={"model": "instant-slow-start", "messages": MESSAGES})
+        assert waited.status_code == 200, waited.text
+        assert int(waited.headers["x-flatfare-model-wait-ms"]) > 0
     finally:
         starting.kill()
         starting.wait()
