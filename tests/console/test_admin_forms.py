@@ -11,7 +11,8 @@ def _pro() -> Plan:
     return Plan(name="pro", display_name="Pro", daily_limit=1000, price_per_request_micros=2000,
                 monthly_price_cents=8000, lane="standard", allowed_models=None, max_output_tokens=4096,
                 max_prompt_tokens=32768, max_n=8, max_body_bytes=8 * 1024 * 1024, max_inflight=16, timezone="UTC",
-                trial_days=None, retired=False)
+                trial_days=None, retired=False, max_embedding_inputs=256, batch_discount_percent=50,
+                batch_daily_limit=1000)
 
 
 def test_an_unchanged_form_changes_nothing() -> None:
