@@ -4,6 +4,7 @@ lifespan that owns its clients."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
@@ -19,7 +20,7 @@ from flatfare.billing.stripe_client import StripeGateway
 from flatfare.billing.webhooks import WebhookProcessor
 from flatfare.storage.accounts import AccountStore
 from flatfare.billing.quota import DailyQuota
-from flatfare.storage.db import create_engine, session_factory
+from flatfare.storage.db import create_engine, expire_every, session_factory
 from flatfare.gateway import admin, batches, billing_routes, console, files, health, usage
 from flatfare.gateway.openai import routes
 from flatfare.gateway.admin.auth import AdminAuthenticator
@@ -42,6 +43,8 @@ from flatfare.gateway.replies import Replies, ReplyRouter
 from flatfare.gateway.openai.screen import RequestScreen
 from flatfare.gateway.settings import GatewaySettings
 from flatfare.gateway.tokenizer_cache import Tokenizers
+
+log = logging.getLogger("flatfare.gateway")
 
 
 def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
@@ -87,7 +90,8 @@ def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
         background: list[asyncio.Task[None]] = []
         background.append(files.start(state, settings, sessions, stop))
         background.append(batches.start(state, redis, sessions, stop))
-        background.append(asyncio.create_task(state.response_store.run_purger(stop, settings.files_sweep_interval_s)))
+        background.append(asyncio.create_task(expire_every(stop, settings.files_sweep_interval_s,
+                                                           state.response_store.purge_expired, "responses", log)))
         if settings.stripe_enabled:
             state.stripe = StripeGateway(settings.stripe_config())
             sender = OutboxSender(sessions, state.stripe, settings.billing_outbox_max_backoff_s)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from importlib import resources
@@ -21,6 +23,20 @@ MIGRATIONS_PACKAGE = "flatfare.migrations"
 # What the database being away raises: SQLAlchemy's errors, and asyncpg's refused connection, which is a
 # bare OSError.
 DATABASE_DOWN: tuple[type[Exception], ...] = (SQLAlchemyError, OSError)
+
+
+async def expire_every(stop: asyncio.Event, every_s: float, expire: Callable[[], Awaitable[int]], what: str,
+                       log: logging.Logger) -> None:
+    """Until ``stop``, every ``every_s``: ``expire()`` deletes what is past its time and says how much (run
+    in every gateway process: a delete twice deletes once). A database that is away is tried next time."""
+    while not stop.is_set():
+        try:
+            if gone := await expire():
+                log.info("expired %s deleted", what, extra={what: gone})
+        except DATABASE_DOWN as exc:
+            log.warning("expired %s not deleted: %s", what, exc)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), every_s)
 
 _ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg", "postgres": "postgresql+asyncpg"}
 

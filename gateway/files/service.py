@@ -4,7 +4,6 @@ gateway's error type; the bytes go through a :class:`~flatfare.gateway.files.sto
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -303,17 +302,6 @@ class FileService:
                 await self._drop_object(row)
                 swept += 1
         return swept
-
-    async def run_sweeper(self, stop: asyncio.Event, every_s: float) -> None:
-        while not stop.is_set():
-            try:
-                swept = await self.sweep()
-                if swept:
-                    log.info("expired files deleted", extra={"files": swept})
-            except DATABASE_DOWN as exc:
-                log.warning("expired files not swept: %s", exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), every_s)
 
 
 def _check_batch_spool(path: Path) -> None:

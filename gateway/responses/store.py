@@ -5,9 +5,6 @@ gateway process also deletes now and then."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -17,10 +14,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from flatfare.storage.db import DATABASE_DOWN
 from flatfare.storage.models import StoredResponse
-
-log = logging.getLogger("flatfare.gateway")
 
 # Rows one purge deletes at most (the next pass takes the rest).
 PURGE_BATCH = 1000
@@ -69,22 +63,14 @@ class ResponseStore:
         return bool(result.rowcount)
 
     async def purge_expired(self, now: datetime | None = None) -> int:
-        """Delete up to PURGE_BATCH responses past the retention; how many went."""
-        async with self._sessions.begin() as session:
-            expired = select(StoredResponse.id).where(StoredResponse.created_at <= self._oldest_kept(now)) \
-                .limit(PURGE_BATCH)
-            result = await session.execute(delete(StoredResponse).where(StoredResponse.id.in_(expired)))
-        return int(result.rowcount or 0)
-
-    async def run_purger(self, stop: asyncio.Event, every_s: float) -> None:
-        """Every ``every_s``, what expired goes (in every gateway process: a delete twice deletes once)."""
-        while not stop.is_set():
-            try:
-                while (purged := await self.purge_expired()) >= PURGE_BATCH:
-                    log.info("expired responses deleted", extra={"responses": purged})
-                if purged:
-                    log.info("expired responses deleted", extra={"responses": purged})
-            except DATABASE_DOWN as exc:
-                log.warning("expired responses not deleted: %s", exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), every_s)
+        """Delete the responses past the retention, PURGE_BATCH a statement; how many went."""
+        oldest_kept = self._oldest_kept(now)
+        purged = 0
+        while True:
+            async with self._sessions.begin() as session:
+                expired = select(StoredResponse.id).where(StoredResponse.created_at <= oldest_kept).limit(PURGE_BATCH)
+                gone = int((await session.execute(delete(StoredResponse).where(StoredResponse.id.in_(expired))))
+                           .rowcount or 0)
+            purged += gone
+            if gone < PURGE_BATCH:
+                return purged
