@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import tempfile
@@ -126,10 +127,11 @@ def run(args: argparse.Namespace) -> int:
     report.mark_start()
     info = report.machine()
     rows: list[list[Any]] = []
-    with tempfile.TemporaryDirectory(prefix="ff-bench-batch-") as tmp, services() as group:
-        if args.workdir:
-            args.workdir.mkdir(parents=True, exist_ok=True)
-            tmp = str(args.workdir)
+    if args.workdir:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+    folder = contextlib.nullcontext(str(args.workdir)) if args.workdir else \
+        tempfile.TemporaryDirectory(prefix="ff-bench-batch-")
+    with folder as tmp, services() as group:
         if args.engine == "instant":
             stack = FlatfareStack(group, Path(tmp), INSTANT, worker_args=["--engine", "instant"], extra_env=DELAYS)
         else:
