@@ -368,6 +368,8 @@ class FleetStatus:
     # The budget: engines awake at once, and host memory (GiB) for level-1 sleeping engines' weights.
     max_awake: int = 1
     host_memory_gb: float = 0.0
+    # How often it decides (s).
+    tick_s: float = 0.0
     # The catalog models this fleet can start (enabled, fitting its slots).
     models: list[str] = field(default_factory=list)
     # Its engines: worker id -> {"model", "state", "slots", "pid", "last_used_ms", "sleep_level"}.

@@ -272,6 +272,8 @@ class WorkerLoop:
         self.entries.pop(request_id, None)
         self._handed_back.discard(request_id)
         self._slot_freed.set()
+        if not self.inflight:
+            self.presence.soon()
 
     async def _renew_leases(self) -> None:
         orphans = 0

@@ -47,6 +47,8 @@ class Presence:
         self.refresh: Callable[[WorkerInfo], None] = lambda _info: None
         self._task: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
+        # Set by stop() and soon(): the next beat goes now, not at the next second.
+        self._next = asyncio.Event()
 
     @property
     def pool(self) -> str:
@@ -75,13 +77,19 @@ class Presence:
         # Stopped by an event, not by cancelling: redis-py can turn a cancellation in the middle of a
         # command into a ConnectionError, which this loop retries, and the heartbeat then outlives stop().
         while not self._stopped.is_set():
+            self._next.clear()  # a soon() while this beat is under way asks for another
             try:
                 await self.beat_now()
             except REDIS_DOWN:
                 stop_if_cancelled()
                 log.warning("heartbeat failed; retrying", exc_info=True)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopped.wait(), contract.HEARTBEAT_INTERVAL_S)
+                await asyncio.wait_for(self._next.wait(), contract.HEARTBEAT_INTERVAL_S)
+
+    def soon(self) -> None:
+        """Beat now rather than at the next second: the worker just finished its last job, and its fleet
+        waits to see it idle before it may put this engine to sleep for another model (a wake's latency)."""
+        self._next.set()
 
     async def live_workers(self) -> set[str]:
         oldest = now_ms() - int(contract.WORKER_TTL_S * 1000)
@@ -89,6 +97,7 @@ class Presence:
 
     async def stop(self) -> None:
         self._stopped.set()
+        self._next.set()
         if self._task is not None:
             # A beat under way finishes; one stuck on an unanswering Redis is cancelled.
             _, stuck = await asyncio.wait([self._task], timeout=STOP_WAIT_S)

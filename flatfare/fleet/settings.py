@@ -15,6 +15,8 @@ from flatfare.settings import CommonSettings
 # Host memory left to level-1 sleepers by default: this share of what is free when the fleet starts.
 HOST_MEMORY_SHARE = 0.8
 CPU_SLOT = "cpu"
+GPU_TICK_S = 0.1
+CPU_TICK_S = 0.5
 
 
 class FleetSettings(CommonSettings):
@@ -40,8 +42,10 @@ class FleetSettings(CommonSettings):
     # Prometheus /metrics of the fleet. 0: any free port (logged); -1: off.
     fleet_metrics_port: int = 0
     fleet_metrics_host: str = "127.0.0.1"
-    # How often it decides (s).
-    fleet_tick_s: float = Field(0.5, gt=0)
+    # How often it decides (s). 0: 0.1 s on a GPU host, where a wake's latency is two ticks' waits (the demand
+    # seen, then the sleeper it put away seen asleep), 0.5 s on a CPU host, where an engine takes seconds to
+    # start anyway (bench/results/fleet_gpu.md: 8B-shape wakes 1.47 s at 0.5 s, 1.33 s at 0.1 s, medians).
+    fleet_tick_s: float = Field(0.0, ge=0)
     # At exit, how long its workers may drain before they are killed.
     fleet_stop_timeout_s: float = Field(60.0, gt=0)
     # Where vLLM keeps hub downloads: the fleet sizes a hub model's weights there.
@@ -62,6 +66,9 @@ class FleetSettings(CommonSettings):
         except (OSError, subprocess.SubprocessError):
             return []
         return [line.strip() for line in listed.splitlines() if line.strip()]
+
+    def tick_s(self, gpu: bool) -> float:
+        return self.fleet_tick_s or (GPU_TICK_S if gpu else CPU_TICK_S)
 
     def budget(self) -> Budget:
         gpus = self.gpus()

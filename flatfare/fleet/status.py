@@ -43,8 +43,8 @@ def render(fleets: list[FleetStatus], now_ms: int | None = None) -> str:
     for fleet in fleets:
         awake = sum(1 for e in fleet.engines.values() if e["state"] not in ("asleep",))
         out.append(f"fleet {fleet.fleet_id} on {fleet.host}: {fleet.accelerator} slots {','.join(fleet.slots)}, "
-                   f"{awake} of {fleet.max_awake} awake, {fleet.host_memory_gb:g} GiB for level-1 sleepers "
-                   f"(updated {_ago(fleet.updated_ms, now_ms)})")
+                   f"{awake} of {fleet.max_awake} awake, {fleet.host_memory_gb:g} GiB for level-1 sleepers, "
+                   f"a decision every {fleet.tick_s:g} s (updated {_ago(fleet.updated_ms, now_ms)})")
         out.append(f"  models: {', '.join(fleet.models) or '(none)'}")
         if fleet.engines:
             rows = [[wid, e["model"], e["state"] + (f" (level {e['sleep_level']})" if e.get("sleep_level") else ""),

@@ -60,6 +60,7 @@ class Supervisor:
         self.sessions = sessions
         self.metrics = metrics or FleetMetrics()
         self.budget: Budget = settings.budget()
+        self.tick_s = settings.tick_s(self.budget.gpu)
         self.logs = settings.data_dir / "logs"
         self.children: dict[str, Child] = {}
         self.models: dict[str, FleetModel] = {}
@@ -85,9 +86,9 @@ class Supervisor:
             raise FleetRunning(f"fleet {self.settings.fleet_id!r} is running already (its status is in Redis); "
                                "give this one another FLATFARE_FLEET_ID, or stop that one (a fleet that died "
                                f"leaves its status for {contract.FLEET_TTL_S} s)")
-        log.info("fleet %s: slots %s (%s), at most %d awake, %.1f GiB of host memory for sleepers",
-                 self.settings.fleet_id, ",".join(self.budget.slots), "gpu" if self.budget.gpu else "cpu",
-                 self.budget.max_awake, self.budget.host_memory_gb)
+        log.info("fleet %s: slots %s (%s), at most %d awake, %.1f GiB of host memory for sleepers, a decision "
+                 "every %g s", self.settings.fleet_id, ",".join(self.budget.slots), "gpu" if self.budget.gpu else "cpu",
+                 self.budget.max_awake, self.budget.host_memory_gb, self.tick_s)
         try:
             while not stop.is_set():
                 try:
@@ -95,7 +96,7 @@ class Supervisor:
                 except (*REDIS_DOWN, *DATABASE_DOWN) as exc:
                     log.warning("fleet tick failed (%s: %s); trying again", exc.__class__.__name__, exc)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.settings.fleet_tick_s)
+                    await asyncio.wait_for(stop.wait(), self.tick_s)
         finally:
             await self.shutdown()
 
@@ -288,7 +289,7 @@ class Supervisor:
         return FleetStatus(fleet_id=self.settings.fleet_id, host=socket.gethostname(),
                            accelerator="gpu" if self.budget.gpu else "cpu", slots=list(self.budget.slots),
                            max_awake=self.budget.max_awake, host_memory_gb=self.budget.host_memory_gb,
-                           models=self.served, engines=engines, waiting=self.waiting,
+                           tick_s=self.tick_s, models=self.served, engines=engines, waiting=self.waiting,
                            decisions=list(self.decisions), updated_ms=now)
 
     async def publish(self) -> None:

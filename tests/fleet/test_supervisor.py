@@ -175,6 +175,7 @@ def test_on_a_gpu_host_idle_engines_sleep_and_are_woken_not_started_again(stack:
         heartbeat = redis_sync.Redis.from_url(stack.redis_url).hgetall(contract.worker_key(m1))
         assert contract.WorkerInfo.from_fields(heartbeat).fleet == FLEET
         slept = eventually(lambda: status(stack), lambda s: s.engines[m1]["state"] == "asleep", "m1 asleep")
+        assert slept.tick_s == 0.1  # a GPU host decides every 0.1 s: a wake waits out two ticks
         assert slept.engines[m1]["sleep_level"] == 1 and slept.engines[m1]["slots"] == ["0"]
         answer = ask(stack, "m1")
         assert answer.status_code == 200, answer.text
@@ -213,6 +214,7 @@ def test_fleet_status_and_the_admin_api_show_the_engines_and_decisions(stack: St
         shown = stack.cli("fleet", "status")
         assert shown.returncode == 0, shown.stderr
         assert f"fleet {FLEET} on" in shown.stdout and "cpu slots cpu" in shown.stdout
+        assert "a decision every 0.5 s" in shown.stdout  # a CPU host's default tick
         assert "m2" in shown.stdout and "warm" in shown.stdout and "start m2" in shown.stdout
         page = httpx.get(f"{stack.base_url}/admin/v1/fleets", headers=admin, timeout=10)
         assert page.status_code == 200, page.text

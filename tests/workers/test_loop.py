@@ -331,3 +331,25 @@ async def test_a_cpu_worker_runs_one_batch_line_at_a_time(redis, start_worker) -
         await asyncio.sleep(0.01)
     assert most == 1
 
+
+
+async def test_a_worker_beats_as_soon_as_its_last_job_ends(redis, start_worker, monkeypatch) -> None:
+    """Its fleet waits to see it idle before it may put its engine to sleep for another model: the
+    beat after its last job goes at once, not at the next heartbeat (here an hour away)."""
+    monkeypatch.setattr(contract, "HEARTBEAT_INTERVAL_S", 3600.0)
+    await start_worker()
+
+    async def beat() -> WorkerInfo | None:
+        fields = await redis.hgetall(contract.worker_key("w1"))
+        return WorkerInfo.from_fields(fields) if fields else None
+
+    await _eventually(beat)
+    before = now_ms()
+    await _queue(redis, _job("r1", {**CHAT, "max_tokens": 3}))
+    await _answered(redis, "r1")
+
+    async def idle_seen() -> bool:
+        info = await beat()
+        return info is not None and info.inflight == 0 and info.last_used_ms >= before
+
+    await _eventually(idle_seen)
