@@ -415,6 +415,8 @@ def engine_versions() -> dict[str, str]:
 
 def engine_settings(args: argparse.Namespace, options: dict[str, Any], plan: dict[int, int]) -> dict[str, Any]:
     return {"model": f"{args.name} ({args.model_dir})", "engine options (both)": json.dumps(options),
+            "Flatfare's options from": "a catalog entry (--via-catalog)" if args.via_catalog
+            else "the worker's --engine-options",
             "input / output tokens": f"{args.input_len} / {args.output_len} (ignore_eos, random token ids)",
             "concurrency: requests": ", ".join(f"{c}: {n}" for c, n in plan.items()), "rounds": args.rounds,
             "repeats (load runs per point per server start)": args.repeats,

@@ -218,7 +218,7 @@ def gpu_memory_used_mib() -> int | None:
 
 def fleet_record(status: FleetStatus | None) -> dict[str, Any]:
     """What the fleet said last: its decisions (the report places them within each request's wait)."""
-    return {"decisions": status.decisions, "host_memory_gb": status.host_memory_gb,
+    return {"decisions": status.decisions, "host_memory_gb": status.host_memory_gb, "tick_s": status.tick_s,
             "engines": status.engines} if status else {}
 
 

@@ -107,7 +107,8 @@ def cpu_markdown(data: dict[str, Any]) -> list[str]:
 def gpu_markdown(data: dict[str, Any]) -> list[str]:
     meta = data["meta"]
     title = {"levels": "full start vs level-1 and level-2 wakes", "many": f"{len(meta['models'])} models on one GPU"}
-    lines = [f"## {title[meta['part']]} ({meta['started']})", "",
+    tick = meta.get("fleet", {}).get("tick_s")
+    lines = [f"## {title[meta['part']]}{f', a decision every {tick:g} s' if tick else ''} ({meta['started']})", "",
              f"Folder {meta['model_dir']}, engine options {json.dumps(meta['engine_options'])}, "
              f"`flatfare fleet --max-awake 1`; models {', '.join(meta['models'])}."]
     if meta["part"] == "levels":
@@ -205,10 +206,12 @@ def write_gpu_report(paths: list[Path], out: Path) -> None:
              "from a settled fleet; TTFT measured by the client. 'met' is what the request's model's engine was doing "
              "when it was sent: none (start), asleep (wake L1/L2), warm."]
     out.parent.mkdir(parents=True, exist_ok=True)
+    seen: dict[str, int] = {}
     for data in runs:
         part = data["meta"]["part"]
+        seen[part] = seen.get(part, 0) + 1
         lines += ["", *gpu_markdown(data)]
-        png = out.with_name(f"{out.name}_{part}.png")
+        png = out.with_name(f"{out.name}_{part}{'' if seen[part] == 1 else f'-{seen[part]}'}.png")
         if plot(data, png):
             lines += ["", f"![{part}]({png.name})"]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
