@@ -319,7 +319,8 @@ class StoredResponse(Base):
     # The ledger row of the request that produced it.
     request_id: Mapped[str] = mapped_column(String(64))
     model: Mapped[str] = mapped_column(String(128))
-    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    # Indexed: the retention purge deletes by it.
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
     # JSON text as it went out: the response object, and every input item the model was given (the
     # earlier turns' input and output items, then this request's input), which the next turn extends.
     response: Mapped[str] = mapped_column(Text)

@@ -260,7 +260,8 @@ async def test_a_close_waits_while_the_database_is_shutting_down(private_postgre
 
 
 def _schema(database_url: str) -> tuple[dict[str, set[str]], str | None, int]:
-    """Each table's columns, the migration revision, and the seeded plans (-1 without the table)."""
+    """Each table's columns and indexes (``ix:`` and the index's name), the migration revision, and the
+    seeded plans (-1 without the table)."""
     from sqlalchemy import create_engine as create_sync_engine
     from sqlalchemy import inspect, text
 
@@ -270,7 +271,10 @@ def _schema(database_url: str) -> tuple[dict[str, set[str]], str | None, int]:
     try:
         with engine.connect() as conn:
             inspector = inspect(conn)
-            tables = {t: {c["name"] for c in inspector.get_columns(t)} for t in inspector.get_table_names()}
+            tables = {t: {c["name"] for c in inspector.get_columns(t)}
+                      # PostgreSQL also lists the index behind each unique constraint: not one of the models'.
+                      | {f"ix:{i['name']}" for i in inspector.get_indexes(t) if not i.get("duplicates_constraint")}
+                      for t in inspector.get_table_names()}
             revision = conn.execute(text("SELECT version_num FROM alembic_version")).scalar() \
                 if "alembic_version" in tables else None
             plans = conn.execute(text("SELECT count(*) FROM plans")).scalar() if "plans" in tables else -1
@@ -335,7 +339,9 @@ def test_downgrade_and_upgrade_again(database_url: str) -> None:
     revisions = [r.revision for r in ScriptDirectory.from_config(config).walk_revisions()]  # newest first
     head, _, plans = _schema(database_url)
     assert _schema(database_url)[1] == revisions[0] and plans == 5
-    assert {t: set(Base.metadata.tables[t].columns.keys()) for t in Base.metadata.tables} == head
+    # The migrations build the models' tables: their columns and their indexes.
+    assert {t: set(Base.metadata.tables[t].columns.keys()) | {f"ix:{i.name}" for i in Base.metadata.tables[t].indexes}
+            for t in Base.metadata.tables} == head
     at_revision = {}
     for revision, older in zip(revisions, [*revisions[1:], None]):
         at_revision[revision] = (_schema(database_url)[0], _seeded(database_url))
