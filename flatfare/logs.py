@@ -129,6 +129,44 @@ def configure_logging(level: str = "info", fmt: LogFormat = "json", *, log_promp
         logger.propagate = True
 
 
+class LoggingLevels:
+    """What decides whether a line gets written, as it is now: ``logging.disable``'s threshold, the root
+    logger's level and handlers, and the level of each handler of the root and ``vllm`` loggers.
+
+    :meth:`restore` puts it back after code that changed it as a side effect. Importing vLLM 0.26's API
+    server (``vllm.entrypoints.openai.api_server``) imports ``model_hosting_container_standards``, whose
+    import sets the root logger and each of its handlers to ERROR (``configure_root_logger``): no line of
+    the worker, nor of the engine process it forks afterwards, was written after that."""
+
+    def __init__(self) -> None:
+        root = logging.getLogger()
+        self._disable = root.manager.disable
+        self._root_level = root.level
+        self._root_handlers = list(root.handlers)
+        self._handler_levels = [(h, h.level) for lg in (root, logging.getLogger("vllm")) for h in lg.handlers]
+
+    def restore(self) -> list[str]:
+        """Put everything back; what had changed, for a log line ([] if nothing had)."""
+        root = logging.getLogger()
+        changed: list[str] = []
+        if root.manager.disable != self._disable:
+            changed.append(f"logging.disable({logging.getLevelName(root.manager.disable)})")
+            logging.disable(self._disable)
+        if root.level != self._root_level:
+            changed.append(f"root level {logging.getLevelName(root.level)}")
+            root.setLevel(self._root_level)
+        if not root.handlers and self._root_handlers:
+            changed.append("root handlers removed")
+            for handler in self._root_handlers:
+                root.addHandler(handler)
+        for handler, level in self._handler_levels:
+            if handler.level != level:
+                changed.append(f"handler {handler.get_name() or type(handler).__name__} at "
+                               f"{logging.getLevelName(handler.level)}")
+                handler.setLevel(level)
+        return changed
+
+
 def dict_config(level: str = "info", fmt: LogFormat = "json") -> dict[str, Any]:
     """The same setup as a ``logging.config.dictConfig`` mapping, for libraries that take one (vLLM
     applies it in its engine processes too)."""

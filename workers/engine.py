@@ -23,6 +23,7 @@ from typing import Any
 
 from flatfare.capabilities import chat_template_path
 from flatfare.contract import Endpoint, error_body
+from flatfare.logs import LoggingLevels
 
 
 # vLLM fetches a request's media URLs itself (aiohttp, which honours HTTPS_PROXY). The gateway checked
@@ -209,6 +210,11 @@ class Engine:
             _use_logging_config(self._logging_config)
         from starlette.datastructures import State
         from vllm.engine.arg_utils import AsyncEngineArgs
+
+        # vLLM applied the logging configuration on that first import; the imports below may change it
+        # (vLLM 0.26's API server module sets the root logger and its handlers to ERROR: LoggingLevels).
+        # Put back before the engine's processes fork from this one, and again once the engine started.
+        logging_levels = LoggingLevels()
         from vllm.utils.argparse_utils import FlexibleArgumentParser
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -230,6 +236,7 @@ class Engine:
                                           ("vllm.entrypoints.openai.protocol", "LoadLoRAAdapterRequest")])
         from vllm.platforms import current_platform
 
+        _restore_logging(logging_levels)
         argv = [arg for arg in self._argv if arg != SLEEP_FLAG]
         if self._sleep_mode and current_platform.is_sleep_mode_available():
             argv.append(SLEEP_FLAG)
@@ -254,6 +261,7 @@ class Engine:
                                               usage_context=UsageContext.OPENAI_API_SERVER, stat_loggers=stat_loggers)
         state = State()
         await init_app_state(self._llm, state, args, await self._llm.get_supported_tasks())
+        _restore_logging(logging_levels)
         for endpoint, serving in SERVING.items():
             served = getattr(state, serving.state_attr, None)
             if served is not None:
@@ -472,6 +480,12 @@ def _vllm_version() -> str | None:
         return importlib.import_module("vllm").__version__
     except (ImportError, AttributeError):
         return None
+
+
+def _restore_logging(levels: LoggingLevels) -> None:
+    changed = levels.restore()
+    if changed:
+        log.warning("put back the logging levels that importing vLLM changed: %s", "; ".join(changed))
 
 
 def _use_logging_config(config: dict[str, Any]) -> None:
