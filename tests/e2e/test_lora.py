@@ -90,8 +90,11 @@ def answer(worker: RealWorker, model: str) -> str:
 def test_a_variant_answers_differently_and_a_zero_adapter_as_the_base(lora_worker) -> None:
     worker, _, _ = lora_worker
     assert "loaded the LoRA variant smol-random" in worker.log.read_text()  # at start, from the catalog
+    # Not "Paris" asked of the base: with LoRA on (and enforce_eager) SmolLM2-135M's greedy answer depends on
+    # the CPU's kernels (one machine: "Paris", another: "L'Étoile, la Marseillaise, ..."); what holds everywhere
+    # is that the base answers, a random adapter changes the answer and a zero one does not.
     base = answer(worker, MODEL)
-    assert "Paris" in base
+    assert base.strip()
     assert answer(worker, "smol-random") != base
     assert answer(worker, "smol-zero") == base
     assert answer(worker, MODEL) == base  # the variants leave the base model as it was
@@ -115,9 +118,10 @@ def test_a_disabled_or_unknown_variant_is_not_served(lora_worker) -> None:
 
 def test_an_adapter_the_engine_refuses_fails_the_request_cleanly(lora_worker) -> None:
     worker, database_url, adapters = lora_worker
+    before = answer(worker, MODEL)
     add_variant(database_url, "smol-wide", adapters / "wide")
     reply = worker.ask({"model": "smol-wide", "messages": QUESTION, "max_tokens": 4})
     assert (reply.kind, reply.status) == (ReplyKind.ERROR, 503), reply.data
     error = json.loads(reply.data)["error"]
     assert error["code"] == "model_unavailable" and "smol-wide" in error["message"]
-    assert "Paris" in answer(worker, MODEL)  # the worker serves on
+    assert answer(worker, MODEL) == before  # the worker serves on, as before

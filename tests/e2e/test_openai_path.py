@@ -53,6 +53,16 @@ def _queue_is_empty(stack) -> bool:
         client.close()
 
 
+def _nothing_in_flight(stack) -> bool:
+    """The test account has no request in flight (the set its plan's in-flight cap counts)."""
+    [(account_id,)] = stack.sql("SELECT id FROM accounts WHERE name = 'e2e'")
+    client = redis_sync.Redis.from_url(stack.redis_url)
+    try:
+        return client.zcard(contract.inflight_key(account_id)) == 0
+    finally:
+        client.close()
+
+
 def _wait_queue_empty(stack, timeout_s: float = 10) -> None:
     """Until every job is acknowledged: a worker acknowledges one only after its reply went out."""
     deadline = time.monotonic() + timeout_s
@@ -236,6 +246,12 @@ async def test_client_disconnect_mid_stream_frees_the_engine_slot(stack, aclient
         await asyncio.sleep(0.1)
     assert rows[0][0] == "cancelled"
     assert _queue_is_empty(stack)
+    # Its account's in-flight slot is given back too (the worker writes that with the job's end, just
+    # after its heartbeat may already say it is idle): the next test sends as many as the plan allows.
+    deadline = time.monotonic() + 10
+    while not _nothing_in_flight(stack):
+        assert time.monotonic() < deadline, "the request still counts in flight after the client left"
+        await asyncio.sleep(0.1)
 
 
 async def test_sixteen_concurrent_streams_all_complete(stack, aclient) -> None:
