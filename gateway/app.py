@@ -4,7 +4,6 @@ lifespan that owns its clients."""
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
@@ -43,8 +42,6 @@ from flatfare.gateway.replies import Replies, ReplyRouter
 from flatfare.gateway.openai.screen import RequestScreen
 from flatfare.gateway.settings import GatewaySettings
 from flatfare.gateway.tokenizer_cache import Tokenizers
-
-log = logging.getLogger("flatfare.gateway")
 
 
 def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
@@ -91,7 +88,7 @@ def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
         background.append(files.start(state, settings, sessions, stop))
         background.append(batches.start(state, redis, sessions, stop))
         background.append(asyncio.create_task(expire_every(stop, settings.files_sweep_interval_s,
-                                                           state.response_store.purge_expired, "responses", log)))
+                                                           state.response_store.purge_expired, "responses")))
         if settings.stripe_enabled:
             state.stripe = StripeGateway(settings.stripe_config())
             sender = OutboxSender(sessions, state.stripe, settings.billing_outbox_max_backoff_s)

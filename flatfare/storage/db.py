@@ -24,9 +24,10 @@ MIGRATIONS_PACKAGE = "flatfare.migrations"
 # bare OSError.
 DATABASE_DOWN: tuple[type[Exception], ...] = (SQLAlchemyError, OSError)
 
+log = logging.getLogger("flatfare.storage")
 
-async def expire_every(stop: asyncio.Event, every_s: float, expire: Callable[[], Awaitable[int]], what: str,
-                       log: logging.Logger) -> None:
+
+async def expire_every(stop: asyncio.Event, every_s: float, expire: Callable[[], Awaitable[int]], what: str) -> None:
     """Until ``stop``, every ``every_s``: ``expire()`` deletes what is past its time and says how much (run
     in every gateway process: a delete twice deletes once). A database that is away is tried next time."""
     while not stop.is_set():
@@ -37,6 +38,7 @@ async def expire_every(stop: asyncio.Event, every_s: float, expire: Callable[[],
             log.warning("expired %s not deleted: %s", what, exc)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), every_s)
+
 
 _ASYNC_DRIVERS = {"sqlite": "sqlite+aiosqlite", "postgresql": "postgresql+asyncpg", "postgres": "postgresql+asyncpg"}
 

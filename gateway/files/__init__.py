@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from flatfare.gateway.files.routes import router
-from flatfare.gateway.files.service import FileLimits, FileService, log
+from flatfare.gateway.files.service import FileLimits, FileService
 from flatfare.gateway.files.storage import open_store
 from flatfare.gateway.settings import GatewaySettings
 from flatfare.storage.db import expire_every
@@ -25,4 +25,4 @@ def start(state: Any, settings: GatewaySettings, sessions: async_sessionmaker[As
     spool = settings.data_dir / "uploads"
     spool.mkdir(parents=True, exist_ok=True)
     state.files = FileService(sessions, open_store(settings), limits, spool)
-    return asyncio.create_task(expire_every(stop, settings.files_sweep_interval_s, state.files.sweep, "files", log))
+    return asyncio.create_task(expire_every(stop, settings.files_sweep_interval_s, state.files.sweep, "files"))
