@@ -23,6 +23,10 @@ COMMANDS = {
               "(cpu ~10 min; gpu: the H200, gpu_device.sh fleet; report)"),
     "batch": ("bench.batch", "the live lanes' TTFT with and without a batch running on the batch lane, instant "
               "engine (~3 min)"),
+    "rehearsal": ("bench.rehearsal", "a production trace through the whole platform on mixed plans, beside `vllm "
+                  "serve`: Premium, fair shares, batches, two models, the money audit (GPU: gpu_device.sh rehearsal)"),
+    "soak": ("bench.soak", "an hour at 70 % of capacity with restarts, batches and key rotations: RSS, file "
+             "descriptors, tasks, Redis, connections and p99 per window, the money audit (~62 min)"),
     "scale": ("bench.scale", "requests/s for 1, 2, 4 worker hosts, hosts as network namespaces; needs root (~3 min)"),
 }
 

@@ -32,6 +32,7 @@ from sqlalchemy import create_engine, text
 
 from bench.stripe_edge import Answer, MeterCall
 from flatfare import contract
+from flatfare.billing.ledger import BATCH_ENDPOINT_PREFIX
 
 # The quota's counters (contract.quota_counter_key), not its epoch marker or rebuild lock.
 _COUNTERS = contract.quota_counter_key("*", "*")
@@ -48,6 +49,7 @@ class LedgerRow:
     open: bool  # still queued: the request has not ended
     priced: bool  # its plan's price is above zero
     on_stripe: bool  # its account is billed through Stripe (has a customer)
+    batch: bool = False  # a Batch API line's row: counted on the plan's batch allowance, not its daily quota
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +74,10 @@ def read_books(database_url: str, redis_url: str, received: Iterable[MeterCall])
     try:
         with engine.connect() as conn:
             ledger = [LedgerRow(str(rid), int(account), day, bool(billable), status == "queued", int(price) > 0,
-                                customer is not None)
-                      for rid, account, day, billable, status, price, customer in conn.execute(text(
+                                customer is not None, str(endpoint).startswith(BATCH_ENDPOINT_PREFIX))
+                      for rid, account, day, billable, status, price, customer, endpoint in conn.execute(text(
                           "SELECT r.id, r.account_id, r.quota_day, r.billable, r.status, r.price_micros, "
-                          "a.stripe_customer_id FROM requests r JOIN accounts a ON a.id = r.account_id"))]
+                          "a.stripe_customer_id, r.endpoint FROM requests r JOIN accounts a ON a.id = r.account_id"))]
             outbox = {str(rid): str(status) for rid, status in
                       conn.execute(text("SELECT request_id, status FROM usage_outbox"))}
     finally:
@@ -96,6 +98,7 @@ def read_books(database_url: str, redis_url: str, received: Iterable[MeterCall])
 class Audit:
     rows: int
     open_rows: int
+    billed: int  # billable rows of priced plans, live and batch: each has one outbox row and one meter event
     billable_by_day: dict[str, int]
     counted_by_day: dict[str, int]
     given_back_by_day: dict[str, int]  # rows closed not billable: their units were given back
@@ -131,7 +134,7 @@ class Audit:
     def settled(self) -> bool:
         """Nothing open, every unit accounted for, and Stripe has every billable event and no other."""
         return (self.open_rows == 0 and not self.unaccounted and not self.stripe_missing and not self.stripe_extra
-                and self.billable == self.outbox == self.outbox_sent == self.stripe_events)
+                and self.billed == self.outbox == self.outbox_sent == self.stripe_events)
 
     @property
     def clean(self) -> bool:
@@ -152,8 +155,8 @@ class Audit:
             found.append(f"quota units counted minus billable rows: {self.unaccounted}")
         if self.open_rows:
             found.append(f"{self.open_rows} ledger row(s) still open")
-        if not self.billable == self.outbox == self.outbox_sent == self.stripe_events:
-            found.append(f"billable {self.billable}, outbox {self.outbox} ({self.outbox_sent} sent), "
+        if not self.billed == self.outbox == self.outbox_sent == self.stripe_events:
+            found.append(f"billable at a price {self.billed}, outbox {self.outbox} ({self.outbox_sent} sent), "
                          f"Stripe kept {self.stripe_events}")
         return found
 
@@ -164,7 +167,7 @@ def audit(books: Books) -> Audit:
     given_back_by_day: Counter[str] = Counter()
     billable_units: Counter[tuple[int, str]] = Counter()
     for row in books.ledger:
-        if row.quota_day is None:
+        if row.quota_day is None or row.batch:  # a batch line takes no unit of the daily quota
             continue
         if row.billable:
             billable_by_day[row.quota_day] += 1
@@ -183,6 +186,7 @@ def audit(books: Books) -> Audit:
     sent = {call.identifier for call in books.received}
     return Audit(
         rows=len(books.ledger), open_rows=sum(1 for row in books.ledger if row.open),
+        billed=sum(1 for row in books.ledger if row.billable and not row.open and row.priced),
         billable_by_day={day: n for day, n in billable_by_day.items() if n},
         counted_by_day={day: n for day, n in counted_by_day.items() if n},
         given_back_by_day=dict(given_back_by_day), outbox=len(books.outbox),

@@ -5,7 +5,7 @@ accounts, keys and ledger rows (sqlite3 executemany, PostgreSQL COPY), then migr
 backfills the usage rollup from those rows (timed: what an operator's upgrade costs). Then it times
 what the pages ask the database, in one session each, for random accounts:
 
-- the customer's usage page (gateway/console/usage.py's usage_view: 30 days per day, by model, by key,
+- the customer's usage page (gateway/console/usage_pages.py's usage_view: 30 days per day, by model, by key,
   the table's rows), and
 - the admin console's platform usage (30 days of requests and billable revenue, requests today per
   model),
@@ -31,7 +31,7 @@ from typing import Any
 from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.engine import make_url
 
-from flatfare.billing import usage as rollup
+from flatfare.billing import rollup
 from flatfare.storage.db import create_engine as create_async, migrate, session_factory
 from flatfare.storage.models import RequestRecord
 
@@ -121,7 +121,7 @@ def _load_postgres(url: str, data: tuple) -> None:
 
 
 async def _usage_page(session: Any, account_id: int, days: list[str]) -> None:
-    """What gateway/console/usage.py's usage_view asks the database."""
+    """What gateway/console/usage_pages.py's usage_view asks the database."""
     await rollup.account_daily(session, account_id, days)
     await rollup.account_by_model(session, account_id, days[0], days[-1])
     await rollup.account_by_key(session, account_id, days[0], days[-1])
@@ -222,7 +222,7 @@ def _report(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
              f"{args.rows:,} ledger rows over {DAYS} days (a Zipf-like spread over accounts, 1-3 keys each, "
              f"3 models, 5 % failed free), random accounts per view. Server time of the database work each page "
              "does, in one session (a pooled connection): the query functions the page handlers call "
-             "(billing/usage.py), not the HTTP round trip. Goal: p95 <= 50 ms per page on both databases.", "",
+             "(billing/rollup.py), not the HTTP round trip. Goal: p95 <= 50 ms per page on both databases.", "",
              "| database | page | views | p50 ms | p95 ms | max ms | goal |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for result in results:

@@ -340,7 +340,10 @@ class Clients:
         self._timeout_s = timeout_s
         self._random = random.Random(1)
         self._next = 0
-        self._client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=512))
+        # Every connection kept for reuse: with httpx's default of 20 kept, a burst past 20 in flight opens
+        # (and closes) a connection per request, which costs both sides enough CPU to keep the burst going.
+        self._client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=512,
+                                                                                max_keepalive_connections=512))
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -35,6 +35,7 @@ from typing import Any
 
 import redis as redis_py
 
+from bench import report
 from bench.fleet_report import write_gpu_report, write_outputs
 from bench.fleet_stack import COLD_START_TIMEOUT_S, FLEET_STOP_TIMEOUT_S, FleetBench
 from bench.procs import Service, services
@@ -302,7 +303,8 @@ def run_gpu(args: argparse.Namespace) -> Run:
 
     options = json.loads(args.engine_options)
     folder = str(args.model_dir.resolve())
-    run = Run(args.out, {"mode": "gpu", "part": args.part, "model_dir": folder, "engine_options": options,
+    run = Run(args.out, {"mode": "gpu", "card": report.gpu_name(), "part": args.part, "model_dir": folder,
+                         "engine_options": options,
                          "max_awake": 1, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
     t0 = time.monotonic()
     fleet_args = ["--gpus", args.gpus]

@@ -7,6 +7,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from bench import report
+
 # Engine states on the timeline, and their colours.
 COLOURS = {"starting": "tab:orange", "warm": "tab:green", "waking": "gold", "sleeping": "tab:gray",
            "draining": "tab:gray", "asleep": "lightsteelblue"}
@@ -199,8 +201,11 @@ def write_gpu_report(paths: list[Path], out: Path) -> None:
             if isinstance(d, dict) and d.get("meta", {}).get("mode") == "gpu"]
     if not runs:
         raise SystemExit(f"no bench.fleet gpu JSON among {', '.join(map(str, files)) or 'nothing'}")
-    lines = ["# Many models on one H200: `python -m bench fleet gpu`", "",
-             "Flatfare's whole path on the lent H200 (private Redis, SQLite, gateway, `flatfare fleet --max-awake 1`, "
+    cards = sorted({d["meta"]["card"] for d in runs if d["meta"].get("card")}) or [report.card_of(paths)]
+    card = " / ".join(cards)
+    lines = [f"# Many models on one {card}: `python -m bench fleet gpu`", "",
+             f"Flatfare's whole path on the lent {card} (private Redis, SQLite, gateway, "
+             "`flatfare fleet --max-awake 1`, "
              "workers started with vLLM's sleep mode), requests through the `openai` SDK, streamed, one at a time, "
              "each "
              "from a settled fleet; TTFT measured by the client. 'met' is what the request's model's engine was doing "

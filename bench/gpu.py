@@ -35,6 +35,9 @@ from typing import Any
 from bench import engine, report
 
 WHEELS_DIR = report.REPO_ROOT / ".gpu_wheels"
+# The LLaVA entry's extra wheels (VISION_WHEELS, 16 MiB), in a folder of their own: carried only for
+# `gpu_device.sh capabilities`, so that .gpu_wheels (~26 MiB) fits a call beside the vLLM payload's last part.
+VISION_DIR = report.REPO_ROOT / ".gpu_vision"
 # bench/gpu_device.sh installs the one wheel in here (install-flatfare); the dependencies' wheels are in whl/.
 FLATFARE_WHEEL_DIR = "flatfare"
 # What Flatfare imports that the device image (Ubuntu 24.04, Python 3.12) lacks, or has too old; the
@@ -134,9 +137,10 @@ def build_flatfare_wheel(out: Path) -> Path:
 def prepare() -> int:
     whl = WHEELS_DIR / "whl"
     shutil.rmtree(WHEELS_DIR, ignore_errors=True)
+    shutil.rmtree(VISION_DIR, ignore_errors=True)
     whl.mkdir(parents=True)
     wheel = build_flatfare_wheel(WHEELS_DIR / FLATFARE_WHEEL_DIR)
-    for folder, wheels in ((whl, DEVICE_WHEELS), (WHEELS_DIR / "vision", VISION_WHEELS)):
+    for folder, wheels in ((whl, DEVICE_WHEELS), (VISION_DIR, VISION_WHEELS)):
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
                         "--python-version", "3.12", "--implementation", "cp", "--abi", "cp312", "--abi", "abi3",
                         "--abi", "none", "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
@@ -161,12 +165,14 @@ def prepare() -> int:
 
 
 PLAN = """\
-Device calls (the `run` tool, kind nvidia-h200), back to back: an idle machine is given back after ~30 s,
-/tmp with it. Each call's carried folders plus the working tree stay under 64 MiB (part1 alone is 59.5 MiB:
-keep the checkout's untracked files under ~4 MiB). First, here: build the vLLM payload
-(shared/device/prepare_vllm_payload.sh .gpu_vllm, with shared/device/* copied to .gpu_tools/ as its README
-says) and run `python -m bench gpu prepare` (.gpu_wheels, ~22 MiB: the dependencies' wheels and Flatfare's
-own, built from this checkout's files: run it again after changing Flatfare's code).
+Device calls (the `run` tool; either card), back to back: an idle machine is given back after ~30 s, /tmp
+with it. Each call's carried folders plus the working tree stay under 64 MiB: the vLLM payload comes in
+three parts (part1 and part2 36 MiB, part3 19 MiB), .gpu_wheels is ~25 MiB (the LLaVA entry's wheels are
+apart, in .gpu_vision, carried for `capabilities` only) and the tracked tree ~10 MiB; `du -sh` them before
+a call. First, here: build the vLLM payload (shared/device/prepare_vllm_payload.sh .gpu_vllm, with
+shared/device/* copied to .gpu_tools/ as its README says) and run `python -m bench gpu prepare` (.gpu_wheels:
+the dependencies' wheels and Flatfare's own, built from this checkout's files: run it again after changing
+Flatfare's code). Carried folders stay on the warm machine between calls.
 Each command is one line. END_BY is when the call must be done: gpu_device.sh stops bench.engine 50 s
 before it (SIGINT: servers stopped, what was measured written) and still leaves its .tgz. Only .tgz, .json
 and .log files are left in $OUT (at most 8 files come back).
@@ -174,8 +180,11 @@ and .log files are left in $OUT (at most 8 files come back).
 1. (~1-2 min with the cold start)  timeout_s: 120   carry: [".gpu_vllm/part1", ".gpu_tools"]
 bash .gpu_tools/device_setup.sh stash .gpu_vllm/part1
 
-2. (~8-8.5 min)  timeout_s: 600   carry: [".gpu_vllm/part2", ".gpu_tools", ".gpu_wheels"]
-export END_BY=$(($(date +%s)+585)); bash .gpu_tools/device_setup.sh install .gpu_vllm/part2 > $OUT/setup.log 2>&1 && bash bench/gpu_device.sh setup >> $OUT/setup.log 2>&1 || { tail -30 $OUT/setup.log; exit 1; }; tail -3 $OUT/setup.log; GATEWAY_PROCESSES=4 REPEATS=3 PYSPY=15 REQUESTS="8 64 256 512" TAG_SUFFIX=-s4 bash bench/gpu_device.sh run 8b 1 $OUT/gpu_8b
+2. (~20 s)  timeout_s: 120   carry: [".gpu_vllm/part2", ".gpu_tools"]
+bash .gpu_tools/device_setup.sh stash .gpu_vllm/part2
+
+3. (~8-8.5 min)  timeout_s: 600   carry: [".gpu_vllm/part3", ".gpu_tools", ".gpu_wheels"]
+export END_BY=$(($(date +%s)+585)); bash .gpu_tools/device_setup.sh install .gpu_vllm/part3 > $OUT/setup.log 2>&1 && bash bench/gpu_device.sh setup >> $OUT/setup.log 2>&1 || { tail -30 $OUT/setup.log; exit 1; }; tail -3 $OUT/setup.log; GATEWAY_PROCESSES=4 REPEATS=3 PYSPY=15 REQUESTS="8 64 256 512" TAG_SUFFIX=-s4 bash bench/gpu_device.sh run 8b 1 $OUT/gpu_8b
 
    Setup ~50 s: the wheels go into /tmp/ffsite with --no-deps (Flatfare's as an installed package: the
    source tree is never on PYTHONPATH, bench/ alone is, through /tmp/ffbench); it checks that flatfare,
@@ -185,13 +194,13 @@ export END_BY=$(($(date +%s)+585)); bash .gpu_tools/device_setup.sh install .gpu
    1 16 64 256 (~30 s a repeat with these REQUESTS; 10 96 500 500 would be ~40 s and not fit), then one
    uncounted 256-client Flatfare run under py-spy (cut first if time runs short). ~440 s of bench.engine.
 
-3. (~7.5 min)  timeout_s: 600   carry: [".gpu_tools"]
+4. (~7.5 min)  timeout_s: 600   carry: [".gpu_tools"]
 export END_BY=$(($(date +%s)+585)); GATEWAY_PROCESSES=4 REPEATS=3 PYSPY=15 TAG_SUFFIX=-s4 bash bench/gpu_device.sh run 1b 1 $OUT/gpu_1b; bash bench/gpu_device.sh offline 1b $OUT/offline_1b
 
    1B, the same with REQUESTS 10 96 500 500 (~20 s a repeat, ~80 s a start; ~350 s), then
    vllm_bench.py offline (~90 s) if at least 120 s are left before END_BY, else it says "offline skipped":
 
-4. (only after "offline skipped"; ~2 min)  timeout_s: 300   carry: [".gpu_tools"]
+5. (only after "offline skipped"; ~2 min)  timeout_s: 300   carry: [".gpu_tools"]
 export END_BY=$(($(date +%s)+280)); bash bench/gpu_device.sh offline 1b $OUT/offline_1b
 
 Knobs of gpu_device.sh run (environment): REQUESTS (one per concurrency 1 16 64 256; 10 96 500 500),
@@ -207,6 +216,15 @@ from a catalog entry, and leaves caps.tgz (one JSON per entry); fp8 and n-gram s
 VIA_CATALOG=1 ENGINE_OPTIONS='{"load_format": "dummy", "quantization": "fp8"}' TAG_SUFFIX=-fp8 ... run 8b 1 DIR.
 Then, here: python -m bench gpu report <files_at>/gpu_8b.tgz <files_at>/gpu_1b.tgz <files_at>/offline_1b.json
 (writes bench/results/engine_gpu-8b-s4.md and engine_gpu-1b-s4.md, with the goals beside the ratios).
+
+The rehearsal (issue 32, ~16 min of the device in all): calls 1 and 2 as above, then
+3'. (~10 min)  timeout_s: 600   carry: [".gpu_vllm/part3", ".gpu_tools", ".gpu_wheels"]
+bash .gpu_tools/device_setup.sh install .gpu_vllm/part3 > $OUT/setup.log 2>&1 && bash bench/gpu_device.sh setup >> $OUT/setup.log 2>&1 || { tail -30 $OUT/setup.log; exit 1; }; bash bench/gpu_device.sh rehearsal start /tmp/rh; bash bench/gpu_device.sh rehearsal wait /tmp/rh 480
+4'. and on, each at once after the last (~10 min)  timeout_s: 600   carry: []
+bash bench/gpu_device.sh rehearsal wait /tmp/rh 570
+   until it says "rehearsal done"; each call brings $OUT/rehearsal.tgz (flatfare.json, vllm.json, the logs).
+Then, here: python -m bench rehearsal report <files_at>/rehearsal/flatfare.json <files_at>/rehearsal/vllm.json
+(writes bench/results/rehearsal_gpu.md, .csv and the plots).
 """
 
 
@@ -389,7 +407,8 @@ def report_results(paths: list[Path], out: Path) -> int:
             shutil.copy2(points_file, out / "raw" / points_file.name)
         for path in offline_files:
             shutil.copy2(path, out / "raw" / path.name)
-    device_info = {"device": "nvidia-h200 (device tool), 1 x H200, 16 CPU cores; vLLM 0.26.0, torch 2.11.0+cu130",
+    card = report.card_of([out / "raw" / f"engine_{t}" for ts in tags.values() for t in ts])
+    device_info = {"device": f"{card} (device tool), 1 GPU, 16 CPU cores; vLLM 0.26.0, torch 2.11.0+cu130",
                    "date": ", ".join(sorted(dates)) or report.machine()["date"],
                    "flatfare commit": report.machine()["flatfare commit"]}
     for shape, points in by_shape.items():
@@ -419,7 +438,7 @@ def report_results(paths: list[Path], out: Path) -> int:
         if shape in offline:
             settings["offline engine runs (output tok/s)"] = " / ".join(report.fmt(x) for x in offline[shape])
         sections = [goals_section(shape, points, reference, source), *pyspy_sections(profiles.get(shape, []))]
-        engine.write_results(out, tag, f"GPU {shape.upper()}: Flatfare against vllm serve on an H200",
+        engine.write_results(out, tag, f"GPU {shape.upper()}: Flatfare against vllm serve on {card}",
                              points, device_info, settings, sections=sections)
         print(f"[gpu] wrote {out / f'engine_{tag}.md'} ({len(points)} runs)")
     return 0

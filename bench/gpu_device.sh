@@ -10,6 +10,8 @@
 #   bash bench/gpu_device.sh offline SHAPE DIR     # vllm_bench.py offline on that model: DIR.json, DIR.log
 #   bash bench/gpu_device.sh capabilities DIR      # bench.capabilities: tools, reasoning, vision via catalog entries
 #   bash bench/gpu_device.sh fleet PART DIR        # bench.fleet gpu: PART levels (1B, real weights) | many (8B x6)
+#   bash bench/gpu_device.sh rehearsal start DIR   # bench.rehearsal in the background: Flatfare, then vllm serve
+#   bash bench/gpu_device.sh rehearsal wait DIR S  # follow it for up to S seconds; pack DIR into $OUT/rehearsal.tgz
 #
 # `run` compares Flatfare (private Redis, SQLite, flatfare worker + gateway) with `vllm serve` on a
 # random-weight Llama of that shape (--load-format dummy), input 512 / output 128, ignore_eos,
@@ -31,6 +33,7 @@ FFSITE=${FFSITE:-/tmp/ffsite}
 FFVISION=${FFVISION:-/tmp/ffvision}
 FFBENCH=${FFBENCH:-/tmp/ffbench}
 WHEELS=${GPU_WHEELS:-$ROOT/.gpu_wheels}
+VISION_WHEELS=${GPU_VISION:-$ROOT/.gpu_vision}
 PYTHON=${PYTHON:-python3}
 VLLM_ENV=${VLLM_ENV:-/tmp/vllm_env.sh}
 say() { echo "[gpu_device] $*"; }
@@ -134,9 +137,9 @@ link_bench() {
 setup() {
   [ -d "$WHEELS/whl" ] || die ".gpu_wheels not carried"
   install_flatfare "$WHEELS"/whl/*.whl
-  if [ -d "$WHEELS/vision" ]; then  # bench/gpu.py VISION_WHEELS: on the LLaVA entry's path only
+  if [ -d "$VISION_WHEELS" ]; then  # bench/gpu.py VISION_WHEELS (.gpu_vision, carried for capabilities only)
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$FFVISION" \
-      "$WHEELS"/vision/*.whl 2>&1 | grep -v 'WARNING: Target directory' || true
+      "$VISION_WHEELS"/*.whl 2>&1 | grep -v 'WARNING: Target directory' || true
   fi
   mkdir -p "$FFSITE/bin" "$FFSITE/lib"
   link_bench
@@ -273,6 +276,79 @@ fleet() {
   say "wrote $dir.tgz ($(du -k "$dir.tgz" | cut -f1) KiB), $(left) s left"
 }
 
+rehearsal() {
+  # bench.rehearsal (issue 32): the Azure trace through Flatfare's whole path, then through vllm serve, on the same
+  # 8B-shape model (random weights), with a 1B-shape second model beside it on the same GPU for Flatfare.
+  #   rehearsal start DIR        make the models, then run everything in the background (setsid: it outlives this
+  #                              call, for as long as the machine stays warm), logging to DIR/driver.log
+  #   rehearsal wait DIR SECS    follow it until DIR/DONE or SECS pass; pack DIR (JSON, logs) into $OUT/rehearsal.tgz
+  # MAIN_OPTIONS / SECOND_OPTIONS (JSON: catalog entries, and vllm serve's, for the main model), COMPRESSION,
+  # PEAK_LOAD, REHEARSAL_ARGS (more `bench rehearsal run` flags), SYSTEMS ("flatfare vllm").
+  local verb=${1:?start|wait} dir=${2:?result dir}
+  case "$verb" in
+    start)
+      mkdir -p "$dir"
+      setsid nohup bash "$ROOT/bench/gpu_device.sh" rehearsal run "$dir" > "$dir/driver.log" 2>&1 < /dev/null &
+      say "rehearsal running in the background (pid $!), log $dir/driver.log" ;;
+    run) rehearsal_run "$dir" ;;
+    wait)
+      local until=$(( $(date +%s) + ${3:-500} )) seen=0
+      while [ ! -f "$dir/DONE" ] && [ "$(date +%s)" -lt "$until" ]; do
+        sleep 5
+        # Either log may not exist yet (vllm.log appears only once the vllm serve phase starts): under
+        # pipefail a missing file must not end the wait.
+        local progress lines
+        progress=$( { cat "$dir"/flatfare.log "$dir"/vllm.log 2>/dev/null || true; } | grep '^\[rehearsal' || true)
+        lines=$(printf '%s' "$progress" | grep -c '' || true)
+        if [ "$lines" -gt "$seen" ]; then
+          printf '%s\n' "$progress" | tail -n +$((seen + 1)) | cut -c1-240
+          seen=$lines
+        fi
+      done
+      [ -f "$dir/DONE" ] && say "rehearsal done" || say "rehearsal still running"
+      tail -5 "$dir/driver.log" 2>/dev/null || true
+      if [ -n "${OUT:-}" ]; then
+        tar czf "$OUT/rehearsal.tgz" -C "$(dirname "$dir")" "$(basename "$dir")"
+        say "packed $(du -k "$OUT/rehearsal.tgz" | cut -f1) KiB"
+      fi ;;
+    *) die "rehearsal start|wait DIR" ;;
+  esac
+}
+
+rehearsal_run() {
+  local dir=$1 shape main second
+  env_flatfare
+  main=${MAIN_OPTIONS:-'{"load_format": "dummy", "gpu_memory_utilization": 0.62, "max_num_batched_tokens": 2048}'}
+  second=${SECOND_OPTIONS:-'{"load_format": "dummy", "gpu_memory_utilization": 0.22, "enforce_eager": true}'}
+  for shape in 8b 1b; do
+    [ -f "/tmp/m$shape/config.json" ] || python3 "$ROOT/.gpu_tools/vllm_bench.py" make-model --shape "$shape" \
+      --out "/tmp/m$shape" --no-weights --max-len 16384 > /dev/null
+  done
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$dir/nvidia-smi.csv" 2>&1 || true
+  free_gpu
+  if [[ " ${SYSTEMS:-flatfare vllm} " == *" flatfare "* ]]; then
+    # shellcheck disable=SC2086
+    (cd "$ROOT" && python3 -m bench rehearsal run --system flatfare --out "$dir/flatfare.json" --workdir /tmp/rh-ff \
+      --main-name llama-8b --main-source /tmp/m8b --main-options "$main" --second-name llama-1b \
+      --second-source /tmp/m1b --second-options "$second" --tokenizer "$VLLM_TOK_DIR" --gpus 0 --max-awake 2 \
+      --gateway-processes 4 --compression "${COMPRESSION:-17}" --peak-load "${PEAK_LOAD:-1.4}" ${REHEARSAL_ARGS:-}) \
+      > "$dir/flatfare.log" 2>&1 || say "the Flatfare run failed or was stopped (rc $?)"
+    mkdir -p "$dir/logs"
+    cp /tmp/rh-ff/*.log "$dir/logs/" 2>/dev/null || true
+    for log in /tmp/rh-ff/logs/*; do [ -f "$log" ] && tail -c 2000000 "$log" > "$dir/logs/$(basename "$log")"; done
+    free_gpu
+  fi
+  if [[ " ${SYSTEMS:-flatfare vllm} " == *" vllm "* ]] && [ -f "$dir/flatfare.json" ]; then
+    (cd "$ROOT" && python3 -m bench rehearsal run --system vllm --plan-from "$dir/flatfare.json" \
+      --main-source /tmp/m8b --tokenizer "$VLLM_TOK_DIR" --out "$dir/vllm.json" --workdir /tmp/rh-vs) \
+      > "$dir/vllm.log" 2>&1 || say "the vllm serve run failed or was stopped (rc $?)"
+    mkdir -p "$dir/logs"
+    tail -c 2000000 /tmp/rh-vs/vllm_serve.log > "$dir/logs/vllm_serve.log" 2>/dev/null || true
+    free_gpu
+  fi
+  touch "$dir/DONE"
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
@@ -284,7 +360,8 @@ case "$cmd" in
   offline) offline "$@" ;;
   capabilities) capabilities "$@" ;;
   fleet) fleet "$@" ;;
+  rehearsal) rehearsal "$@" ;;
   *) echo "usage: $0 setup | install-flatfare | check-flatfare | python ARGS | run SHAPE ROUNDS DIR |" \
-          "offline SHAPE DIR | capabilities DIR | fleet levels|many DIR" >&2
+          "offline SHAPE DIR | capabilities DIR | fleet levels|many DIR | rehearsal start|wait DIR [SECS]" >&2
      exit 2 ;;
 esac

@@ -30,7 +30,7 @@ from bench.stack import FlatfareStack, http_get
 MODEL = "instant"
 TOKENS = 16
 CHAT_PATH = "/v1/chat/completions"
-FLATFARE_TARGETS = ("flatfare", "flatfare-granian", "flatfare-uvicorn", "flatfare-pg")
+FLATFARE_TARGETS = ("flatfare", "flatfare-granian", "flatfare-uvicorn", "flatfare-pg", "flatfare-traced")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the gateway's HTTP servers to run: the first is target 'flatfare', others "
                         "'flatfare-<server>'")
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
+    parser.add_argument("--trace-ratio", type=float, default=0.0, metavar="RATIO",
+                        help="also run target 'flatfare-traced': the first server with Flatfare's spans on at "
+                        "this sampling ratio (e.g. 0.1), exported over OTLP/HTTP to a sink that drops them")
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 round, 2 concurrencies, 2 s")
     parser.add_argument("--out", type=Path, default=report.RESULTS_DIR)
 
@@ -194,9 +197,15 @@ def run(args: argparse.Namespace) -> int:
             variants = {("flatfare" if i == 0 else f"flatfare-{http}"): ("", http) for i, http in enumerate(args.servers)}
             if args.postgres:
                 variants["flatfare-pg"] = (args.postgres, args.servers[0])
+            if args.trace_ratio > 0:
+                variants["flatfare-traced"] = ("", args.servers[0])
             for name, (server, http) in variants.items():
+                # The traced target's spans go to the upstream's OTLP/HTTP sink; every other target's tracing is off.
+                traced = ({"FLATFARE_TRACES_ENDPOINT": upstream_url, "FLATFARE_TRACES_SAMPLE_RATIO": str(args.trace_ratio)}
+                          if name == "flatfare-traced" else {})
                 stack = FlatfareStack(group, workdir / name, MODEL, ["--engine", "instant"],
-                                      extra_env={"FLATFARE_INSTANT_TOKENS": str(TOKENS), "FLATFARE_SERVER": http},
+                                      extra_env={"FLATFARE_INSTANT_TOKENS": str(TOKENS), "FLATFARE_SERVER": http,
+                                                 **traced},
                                       gateway_cpus=proxy_cpus, worker_cpus=rest_cpus, redis_cpus=rest_cpus,
                                       postgres_server=server)
                 stacks.append(stack)
@@ -240,7 +249,9 @@ def run(args: argparse.Namespace) -> int:
                 "flatfare": f"1 gateway process ({args.servers[0]}; "
                 + ", ".join(f"flatfare-{h}: {h}" for h in args.servers[1:]) + "), 1 worker --engine instant, "
                 "private redis-server, SQLite" + (" (flatfare-pg: the same on a temporary PostgreSQL database)"
-                                                  if args.postgres else ""),
+                                                  if args.postgres else "")
+                + (f" (flatfare-traced: the same with spans sampled at {args.trace_ratio:g} to an OTLP/HTTP sink)"
+                   if args.trace_ratio > 0 else ""),
                 "litellm": "1 proxy worker, master key, global_max_parallel_requests 10000, deployment rpm 1e7",
                 "load average before / after": f"{load_before} / {report.load_average()}"}
     write_results(args.out, points, info, settings)

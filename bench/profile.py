@@ -26,7 +26,7 @@ from bench.stack import FlatfareStack
 # Frames every sample of a thread passes through (entry points, the event loop): they name no cost.
 _ENTRY_FILES = ("runpy", "threading.py", "typer/", "click/", "uvicorn/main.py", "uvicorn/server.py",
                 "uvicorn/_compat.py", "asyncio/runners.py", "asyncio/base_events.py", "asyncio/events.py",
-                "flatfare/cli.py", "flatfare/__main__.py", "workers/main.py", "uvloop/")
+                "flatfare/cli/main.py", "flatfare/__main__.py", "workers/main.py", "uvloop/")
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
 
 

@@ -69,6 +69,33 @@ def machine(extra_versions: dict[str, str] | None = None) -> dict[str, str]:
     return info
 
 
+def gpu_name() -> str | None:
+    """This machine's GPU as nvidia-smi names it (the first one), or None without one."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    names = done.stdout.strip().splitlines()
+    return names[0].strip() if names else None
+
+
+def card_of(found: Iterable[Path]) -> str:
+    """The GPU a device run used, from the ``nvidia-smi.csv`` it left beside its results (``name, driver,
+    memory``, a header first) in any of ``found`` (files or folders) or their parents: every GPU table says
+    which card it came from rather than assuming one."""
+    cards = set()
+    for path in found:
+        for folder in (path, *path.parents) if path.is_dir() else path.parents:
+            for csv_path in (folder / "nvidia-smi.csv", *sorted(folder.glob("*/nvidia-smi.csv"))):
+                if csv_path.is_file():
+                    lines = [line for line in csv_path.read_text().splitlines()[1:] if line.strip()]
+                    cards.update(line.split(",")[0].strip() for line in lines)
+            if cards:
+                break
+    return " / ".join(sorted(cards)) if cards else "the GPU (not recorded: no nvidia-smi.csv with the results)"
+
+
 def load_average() -> str:
     """The 1/5/15-minute load averages: a busy neighbour on these 2-core VMs shows here."""
     try:

@@ -44,11 +44,17 @@ def create_app(tokens: int) -> web.Application:
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    async def traces(request: web.Request) -> web.Response:
+        # An OTLP/HTTP collector that keeps nothing: where a traced benchmark's spans go (bench.overhead).
+        await request.read()
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_post("/v1/traces", traces)
     return app
 
 

@@ -22,18 +22,21 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
 from flatfare.billing.ledger import Ledger
 from flatfare.billing.quota import DailyQuota, QuotaUnavailable, parse_held
 from flatfare import contract
+from flatfare.contract.timing import GATEWAY_BEAT_S
 from flatfare.redis_conn import REDIS_DOWN
 from flatfare.storage.db import DATABASE_DOWN
 
 log = logging.getLogger("flatfare.gateway")
 
-FLUSH_EVERY_S = 0.5
+# Releases are flushed, and the process's sign of life renewed, this often.
+FLUSH_EVERY_S = GATEWAY_BEAT_S
 REAP_EVERY_S = 5.0
 LOST_CODE = "gateway_lost"
 
@@ -42,8 +45,10 @@ class HeldUnits:
     """This process's side: batched releases, its sign of life, and the reaper's passes."""
 
     def __init__(self, redis: aioredis.Redis, gateway_id: str, ledger: Ledger, quota: DailyQuota,
-                 dead_after_s: float) -> None:
+                 dead_after_s: float, on_lost: Callable[[int], None] | None = None) -> None:
         self._redis = redis
+        # Told how many requests of a dead process the reaper closed as lost (the gateway's metrics).
+        self._on_lost = on_lost
         self.gateway_id = gateway_id
         self.key = contract.held_units(gateway_id)
         self._ledger = ledger
@@ -145,6 +150,8 @@ class HeldUnits:
         given_back = 0
         if held:
             billable = await self._ledger.abandon(list(held), LOST_CODE)
+            if self._on_lost is not None:
+                self._on_lost(billable.closed)
             free = [rid for rid in held if not billable.get(rid, False)]
             async with self._redis.pipeline(transaction=False) as pipe:
                 for request_id in free:  # a job still queued or running for nobody

@@ -1,9 +1,9 @@
 """The request ledger: one row per accepted request, opened when it is queued, closed when it ends.
 
-Closing a billable request of a paid plan writes its meter event to the outbox in the same
-transaction, so usage reported to Stripe can never disagree with the ledger; every open, and every
-close that makes a billable row free, updates the usage rollup (billing/usage.py) in that transaction
-too, so the usage pages can never disagree with it either.
+What each open and close writes (the row, the outbox row of a billable priced request, the usage
+rollup's deltas, in one transaction) is :mod:`flatfare.billing.ledger_rows`'; this module is how live
+requests' writes reach the database, and what is read back (idempotency keys, billable counts for a
+quota rebuild).
 
 Writes are group-committed: every open and close that arrives while a transaction is in flight
 waits for the next one, which writes them all (one INSERT for the opens, one SELECT, one UPDATE and
@@ -17,43 +17,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
-from datetime import UTC, datetime
-from typing import Any, Protocol
-
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from typing import Any
 
-from sqlalchemy import Connection, bindparam, func, insert, select, text, update
+from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
+from flatfare.billing.ledger_rows import (BATCH_ENDPOINT_PREFIX, QUEUED_COLUMNS, Charge, CoreStatements, Outcome,
+                                          Write, made_free, opening_row, write_batch)
 from flatfare.billing.ledger_sqlite import Busy, SqliteWriter
-from flatfare.billing.usage import UPSERT_ACCOUNT, UPSERT_PLATFORM, Rollup, day_of
+from flatfare.billing.rollup import Rollup
 from flatfare.storage.db import DATABASE_DOWN
-from flatfare.storage.models import OutboxStatus, RequestRecord, RequestStatus, UsageOutbox
+from flatfare.storage.models import RequestRecord, RequestStatus
 
-
-@dataclass(frozen=True, slots=True)
-class Charge:
-    """What an admitted request costs: the plan's flat price, whatever its length."""
-
-    plan: str
-    price_micros: int
-    quota_day: str
-
-
-@dataclass(slots=True)
-class Outcome:
-    status: RequestStatus
-    http_status: int
-    queue_ms: int | None = None
-    ttft_ms: int | None = None
-    duration_ms: int | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error_code: str | None = None
-    # False when the request failed before its first token: its quota unit is given back.
-    billable: bool = True
+__all__ = ["BATCH_ENDPOINT_PREFIX", "Charge", "DuplicateIdempotencyKey", "Ledger", "Outcome", "daily_usage"]
 
 
 class DuplicateIdempotencyKey(Exception):
@@ -63,36 +42,17 @@ class DuplicateIdempotencyKey(Exception):
 log = logging.getLogger("flatfare.billing")
 
 _REQUESTS = RequestRecord.__table__
-_OUTBOX = UsageOutbox.__table__
 # Most writes a transaction takes; more wait for the next one.
 MAX_BATCH = 256
-# Ledger rows of Batch API lines name their endpoint "batch:<kind>": they count on the plan's batch
-# allowance, not on the live daily quota, whose counters are rebuilt from the other billable rows.
-BATCH_ENDPOINT_PREFIX = "batch:"
 # Seconds between tries of closes waiting for an unreachable database.
 RETRY_S = 0.5
 
-_OPEN = insert(_REQUESTS)
-_CLOSE = (update(_REQUESTS)
-          .where(_REQUESTS.c.id == bindparam("b_id"), _REQUESTS.c.status == RequestStatus.QUEUED.value)
-          .values(status=bindparam("b_status"), http_status=bindparam("b_http_status"),
-                  finished_at=bindparam("b_finished_at"), queue_ms=bindparam("b_queue_ms"),
-                  ttft_ms=bindparam("b_ttft_ms"), duration_ms=bindparam("b_duration_ms"),
-                  prompt_tokens=bindparam("b_prompt_tokens"), completion_tokens=bindparam("b_completion_tokens"),
-                  error_code=bindparam("b_error_code"), billable=bindparam("b_billable")))
-_METER = insert(_OUTBOX)
-_ROLLUP_ACCOUNT = text(UPSERT_ACCOUNT)
-_ROLLUP_PLATFORM = text(UPSERT_PLATFORM)
-# What a close reads of each row still queued (the rollup needs its key, model and day).
-_QUEUED_COLUMNS = ("id", "billable", "price_micros", "account_id", "quota_day", "api_key_id", "model", "created_at")
 
+class Abandoned(dict[str, bool]):
+    """What :meth:`Ledger.abandon` found: whether each existing row is billable now, and ``closed``, how many
+    rows this call closed (the rest were closed already)."""
 
-@dataclass(slots=True)
-class _Write:
-    request_id: str
-    opening: dict[str, object] | None  # the new row, for an open
-    outcome: Outcome | None  # for a close
-    done: asyncio.Future[None]
+    closed: int = 0
 
 
 class Ledger:
@@ -101,7 +61,7 @@ class Ledger:
         self._engine: AsyncEngine = sessions.kw["bind"]
         self._sqlite = SqliteWriter.for_engine(self._engine)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ledger") if self._sqlite else None
-        self._pending: list[_Write] = []
+        self._pending: list[Write] = []
         self._writer: asyncio.Task[None] | None = None
         # Until when (monotonic) the database counts as unreachable after a failed write: requests
         # are refused before they are queued meanwhile, rather than queued and withdrawn.
@@ -122,12 +82,9 @@ class Ledger:
         """Queue the request's row for the next group commit without waiting: the caller queues the
         job meanwhile and awaits :meth:`opened` before it answers (so no answer leaves before its row
         is committed)."""
-        row = {"id": request_id, "account_id": account_id, "api_key_id": api_key_id, "model": model,
-               "endpoint": endpoint, "stream": stream, "status": RequestStatus.QUEUED.value,
-               "created_at": created_at, "prompt_tokens": 0, "completion_tokens": 0,
-               "billable": charge is not None, "price_micros": charge.price_micros if charge else 0,
-               "plan": charge.plan if charge else None, "quota_day": charge.quota_day if charge else None,
-               "idempotency_key": idempotency_key, "body_sha256": body_sha256}
+        row = opening_row(request_id=request_id, account_id=account_id, api_key_id=api_key_id, model=model,
+                          endpoint=endpoint, stream=stream, created_at=created_at, charge=charge,
+                          idempotency_key=idempotency_key, body_sha256=body_sha256)
         done = self._queue(request_id, opening=row)
         done.add_done_callback(_retrieve)  # a request that ended early may never await it
         return done
@@ -157,7 +114,7 @@ class Ledger:
     def _queue(self, request_id: str, *, opening: dict[str, object] | None = None,
                outcome: Outcome | None = None) -> asyncio.Future[None]:
         done = asyncio.get_running_loop().create_future()
-        self._pending.append(_Write(request_id, opening, outcome, done))
+        self._pending.append(Write(request_id, opening, outcome, done))
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._drain())
         # Callers await it shielded: one that goes away still leaves its write to the batch it joined.
@@ -186,7 +143,7 @@ class Ledger:
                     self._pending = []
                     raise
 
-    async def _wait_for_database(self, batch: list[_Write], exc: BaseException) -> None:
+    async def _wait_for_database(self, batch: list[Write], exc: BaseException) -> None:
         """Opens fail now (their requests are refused); closes wait for the database."""
         self.unreachable_until = time.monotonic() + RETRY_S
         closes = [write for write in batch if write.opening is None]
@@ -196,7 +153,7 @@ class Ledger:
             self._pending[:0] = closes
             await asyncio.sleep(RETRY_S)
 
-    async def _one_by_one(self, batch: list[_Write]) -> None:
+    async def _one_by_one(self, batch: list[Write]) -> None:
         for index, write in enumerate(batch):
             try:
                 await self._commit([write])
@@ -208,21 +165,21 @@ class Ledger:
             else:
                 _settle([write], None)
 
-    async def _commit(self, batch: list[_Write]) -> None:
+    async def _commit(self, batch: list[Write]) -> None:
         if self._sqlite is not None:  # SQLite: on the loop if the lock is free, else in the thread
             writer = self._sqlite
             try:
-                writer.transaction(lambda db: _write_batch(db, batch), inline=True)
+                writer.transaction(lambda db: write_batch(db, batch), inline=True)
             except Busy:
                 await asyncio.get_running_loop().run_in_executor(self._thread, self._commit_in_thread, batch)
             if writer.checkpoint_due():
                 await asyncio.get_running_loop().run_in_executor(self._thread, writer.checkpoint)
             return
         async with self._engine.begin() as conn:
-            await conn.run_sync(lambda sync: _write_batch(_Core(sync), batch))
+            await conn.run_sync(lambda sync: write_batch(CoreStatements(sync), batch))
 
-    def _commit_in_thread(self, batch: list[_Write]) -> None:
-        self._sqlite.transaction(lambda db: _write_batch(db, batch))  # type: ignore[union-attr]
+    def _commit_in_thread(self, batch: list[Write]) -> None:
+        self._sqlite.transaction(lambda db: write_batch(db, batch))  # type: ignore[union-attr]
 
     def dispose(self) -> None:
         """Close the SQLite writer's connection and thread (nothing to do for other databases)."""
@@ -242,7 +199,7 @@ class Ledger:
                                   .values(idempotency_key=None))
             await session.commit()
 
-    async def abandon(self, request_ids: list[str], error_code: str) -> dict[str, bool]:
+    async def abandon(self, request_ids: list[str], error_code: str) -> Abandoned:
         """Close the rows still open among ``request_ids`` as failed and free (their gateway died
         before it could settle them); returns whether each existing row is billable now. An id
         without a row is absent from the answer."""
@@ -254,16 +211,19 @@ class Ledger:
                                error_code=error_code, billable=False))
             # The billable ones first, returning what the rollup needs (an UPDATE takes the write
             # lock at once: nothing can close them between reading and writing), then the others.
-            made_free = await conn.execute(closing.where(_REQUESTS.c.billable.is_(True))
-                                           .returning(*(_REQUESTS.c[name] for name in _QUEUED_COLUMNS)))
+            freed = await conn.execute(closing.where(_REQUESTS.c.billable.is_(True))
+                                       .returning(*(_REQUESTS.c[name] for name in QUEUED_COLUMNS)))
             rollup = Rollup()
-            for row in made_free.all():
-                _made_free(rollup, tuple(row))
-            await conn.execute(closing)
-            await conn.run_sync(lambda sync: _Core(sync).add_usage(rollup))
+            freed_rows = freed.all()
+            for row in freed_rows:
+                made_free(rollup, tuple(row))
+            rest = await conn.execute(closing)
+            await conn.run_sync(lambda sync: CoreStatements(sync).add_usage(rollup))
             rows = await conn.execute(select(_REQUESTS.c.id, _REQUESTS.c.billable)
                                       .where(_REQUESTS.c.id.in_(request_ids)))
-            return {request_id: bool(billable) for request_id, billable in rows}
+            found = Abandoned({request_id: bool(billable) for request_id, billable in rows})
+            found.closed = len(freed_rows) + max(rest.rowcount or 0, 0)
+            return found
 
     async def billable_counts(self, days: list[str], leave_out: tuple[str, ...] = ()) -> dict[tuple[int, str], int]:
         """Billable requests per (account, quota day), but ``leave_out``: what the counters must say."""
@@ -296,93 +256,6 @@ async def daily_usage(sessions: async_sessionmaker[AsyncSession], account_id: in
         return [{"day": day, "model": model, "requests": count} for day, model, count in rows]
 
 
-class _Statements(Protocol):
-    """The statements of a ledger transaction, on one open transaction."""
-
-    def insert_opens(self, rows: list[dict[str, Any]]) -> None: ...
-
-    def queued(self, ids: list[str]) -> list[tuple[Any, ...]]:
-        """The rows among ``ids`` still queued: the columns of :data:`_QUEUED_COLUMNS`."""
-
-    def close_rows(self, updates: list[dict[str, Any]]) -> None: ...
-
-    def insert_meters(self, meters: list[dict[str, Any]]) -> None: ...
-
-    def add_usage(self, rollup: Rollup) -> None: ...
-
-
-class _Core:
-    """The statements as SQLAlchemy Core, for any database (asyncpg's PostgreSQL, through run_sync)."""
-
-    def __init__(self, conn: Connection) -> None:
-        self._conn = conn
-
-    def insert_opens(self, rows: list[dict[str, Any]]) -> None:
-        self._conn.execute(_OPEN, rows)
-
-    def queued(self, ids: list[str]) -> list[tuple[Any, ...]]:
-        return [tuple(row) for row in self._conn.execute(
-            select(*(_REQUESTS.c[name] for name in _QUEUED_COLUMNS))
-            .where(_REQUESTS.c.id.in_(ids), _REQUESTS.c.status == RequestStatus.QUEUED.value)
-            .with_for_update())]
-
-    def close_rows(self, updates: list[dict[str, Any]]) -> None:
-        self._conn.execute(_CLOSE, [{f"b_{k}": v for k, v in u.items()} for u in updates])
-
-    def insert_meters(self, meters: list[dict[str, Any]]) -> None:
-        self._conn.execute(_METER, meters)
-
-    def add_usage(self, rollup: Rollup) -> None:
-        if rollup:
-            self._conn.execute(_ROLLUP_ACCOUNT, rollup.account_rows())
-            self._conn.execute(_ROLLUP_PLATFORM, rollup.platform_rows())
-
-
-def _write_batch(db: _Statements, batch: list[_Write]) -> None:
-    """One transaction's statements (the caller begins and commits it)."""
-    opens = [w.opening for w in batch if w.opening is not None]
-    closes: dict[str, Outcome] = {}
-    for write in batch:
-        if write.outcome is not None:
-            closes.setdefault(write.request_id, write.outcome)  # the first close of a row wins
-    now = datetime.now(UTC)
-    rollup = Rollup()
-    if opens:
-        db.insert_opens(opens)
-        for row in opens:
-            rollup.opened(row)
-    queued = db.queued(list(closes)) if closes else []
-    updates, meters = [], []
-    for row in queued:
-        request_id, row_billable, price_micros, account_id, quota_day = row[:5]
-        outcome = closes[request_id]
-        billable = bool(row_billable) and outcome.billable
-        if row_billable and not billable:
-            _made_free(rollup, row)
-        updates.append({
-            "id": request_id, "status": outcome.status.value, "http_status": outcome.http_status,
-            "finished_at": now, "queue_ms": outcome.queue_ms, "ttft_ms": outcome.ttft_ms,
-            "duration_ms": outcome.duration_ms, "prompt_tokens": outcome.prompt_tokens,
-            "completion_tokens": outcome.completion_tokens, "error_code": outcome.error_code,
-            "billable": billable})
-        if billable and price_micros > 0:
-            meters.append({"request_id": request_id, "account_id": account_id, "day": quota_day or "",
-                           "created_at": now, "status": OutboxStatus.PENDING.value, "attempts": 0,
-                           "next_attempt_at": now})
-    if updates:
-        db.close_rows(updates)
-    if meters:
-        db.insert_meters(meters)
-    db.add_usage(rollup)
-
-
-def _made_free(rollup: Rollup, row: tuple[Any, ...]) -> None:
-    """A queued billable row (the columns of :data:`_QUEUED_COLUMNS`) closing free."""
-    _, _, price_micros, account_id, quota_day, api_key_id, model, created_at = row
-    rollup.made_free(account_id=account_id, api_key_id=api_key_id, model=model,
-                     day=day_of(quota_day, created_at), price_micros=price_micros)
-
-
 def _unreachable(exc: BaseException) -> bool:
     """The database is away (down, restarting, locked), as opposed to refusing this write."""
     return (isinstance(exc, (OperationalError, InterfaceError, OSError))
@@ -402,9 +275,9 @@ def _retrieve(done: asyncio.Future[None]) -> None:
         done.exception()
 
 
-def _settle(batch: list[_Write], error: BaseException | None) -> None:
+def _settle(batch: list[Write], error: BaseException | None) -> None:
     for write in batch:
-        if write.done.done():
+        if write.done is None or write.done.done():
             continue
         if error is None:
             write.done.set_result(None)

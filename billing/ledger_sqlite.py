@@ -22,7 +22,8 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from flatfare.billing.usage import UPSERT_ACCOUNT, UPSERT_PLATFORM, Rollup
+from flatfare.billing.ledger_rows import METER_COLUMNS, QUEUED_COLUMNS
+from flatfare.billing.rollup import UPSERT_ACCOUNT, UPSERT_PLATFORM, Rollup
 from flatfare.storage.db import sqlite_pragmas
 from flatfare.storage.models import RequestRecord, RequestStatus, UsageOutbox, as_utc
 
@@ -38,18 +39,16 @@ _OPEN_COLUMNS = ("id", "account_id", "api_key_id", "model", "endpoint", "stream"
                  "idempotency_key", "body_sha256")
 _CLOSE_COLUMNS = ("status", "http_status", "finished_at", "queue_ms", "ttft_ms", "duration_ms", "prompt_tokens",
                   "completion_tokens", "error_code", "billable")
-_METER_COLUMNS = ("request_id", "account_id", "day", "created_at", "status", "attempts", "next_attempt_at")
-for _table, _names in ((_REQUESTS, _OPEN_COLUMNS + _CLOSE_COLUMNS), (_OUTBOX, _METER_COLUMNS)):
+for _table, _names in ((_REQUESTS, _OPEN_COLUMNS + _CLOSE_COLUMNS + QUEUED_COLUMNS), (_OUTBOX, METER_COLUMNS)):
     _missing = [name for name in _names if name not in _table.c]
     assert not _missing, f"{_table.name} has no columns {_missing}: update billing/ledger_sqlite.py"
 
 _OPEN = f"INSERT INTO {_REQUESTS.name} ({', '.join(_OPEN_COLUMNS)}) VALUES ({', '.join('?' * len(_OPEN_COLUMNS))})"
 _CLOSE = (f"UPDATE {_REQUESTS.name} SET {', '.join(f'{c} = ?' for c in _CLOSE_COLUMNS)} "
           f"WHERE id = ? AND status = '{RequestStatus.QUEUED.value}'")
-_QUEUED = (f"SELECT id, billable, price_micros, account_id, quota_day, api_key_id, model, created_at "
-           f"FROM {_REQUESTS.name} "
+_QUEUED = (f"SELECT {', '.join(QUEUED_COLUMNS)} FROM {_REQUESTS.name} "
            f"WHERE status = '{RequestStatus.QUEUED.value}' AND id IN ({{}})")
-_METER = f"INSERT INTO {_OUTBOX.name} ({', '.join(_METER_COLUMNS)}) VALUES ({', '.join('?' * len(_METER_COLUMNS))})"
+_METER = f"INSERT INTO {_OUTBOX.name} ({', '.join(METER_COLUMNS)}) VALUES ({', '.join('?' * len(METER_COLUMNS))})"
 
 
 def _value(value: Any) -> Any:
@@ -81,7 +80,7 @@ class _Statements:
                                           for u in updates])
 
     def insert_meters(self, meters: list[dict[str, Any]]) -> None:
-        self._cursor.executemany(_METER, _rows(meters, _METER_COLUMNS))
+        self._cursor.executemany(_METER, _rows(meters, METER_COLUMNS))
 
     def add_usage(self, rollup: Rollup) -> None:
         if rollup:

@@ -13,28 +13,24 @@ import asyncio
 import contextlib
 import logging
 import math
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import redis.asyncio as aioredis
-from sqlalchemy import func, select, update
+from sqlalchemy import func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from flatfare.billing.stripe_client import BillingError, StripeGateway
 from flatfare.contract import OUTBOX_LEADER_KEY as LEADER_KEY
-from flatfare.billing.ledger import BATCH_ENDPOINT_PREFIX
+from flatfare.leases import Lease
+from flatfare.tracing import Tracer
+from flatfare.billing.ledger_rows import outbox_row
 from flatfare.storage.models import Account, Meter, OutboxStatus, RequestRecord, UsageOutbox
 
 log = logging.getLogger("flatfare.billing")
 
 BATCH = 100
-# Renew the sender's lease only if it is still this process's.
-_RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('EXPIRE', KEYS[1], ARGV[2]) end
-return 0
-"""
 MAX_BACKOFF_S = 3600
 
 
@@ -44,10 +40,13 @@ def backoff(attempts: int, most_s: float = MAX_BACKOFF_S) -> timedelta:
 
 class OutboxSender:
     def __init__(self, sessions: async_sessionmaker[AsyncSession], stripe: StripeGateway,
-                 max_backoff_s: float = MAX_BACKOFF_S) -> None:
+                 max_backoff_s: float = MAX_BACKOFF_S, tracer: Tracer | None = None) -> None:
         self._sessions = sessions
         self._stripe = stripe
         self._max_backoff_s = max_backoff_s
+        # Each send is a span (flatfare.tracing; None: off) in a trace of its own, sampled like a request
+        # without a traceparent: the row does not keep its request's trace. flatfare.request_id joins them.
+        self._tracer = tracer
 
     async def send_due(self, now: datetime | None = None,
                        holding: Callable[[], Awaitable[bool]] | None = None) -> int:
@@ -64,7 +63,18 @@ class OutboxSender:
         for row, customer_id in rows:
             if holding is not None and not await holding():
                 break
-            sent += await self._send_one(row, customer_id, now)
+            if self._tracer is None:
+                sent += await self._send_one(row, customer_id, now)
+                continue
+            _, spans = self._tracer.start("outbox send", None, kind="client", **{
+                "flatfare.request_id": row.request_id, "flatfare.meter": row.meter, "flatfare.attempt": row.attempts + 1})
+            done = 0
+            try:
+                done = await self._send_one(row, customer_id, now)
+            finally:
+                if spans is not None:
+                    spans.finish(**{"flatfare.sent": bool(done)})
+            sent += done
         return sent
 
     async def _send_one(self, row: UsageOutbox, customer_id: str | None, now: datetime) -> int:
@@ -91,22 +101,16 @@ class OutboxSender:
 
     async def run(self, redis: aioredis.Redis, stop: asyncio.Event, interval_s: float = 1.0) -> None:
         """Send due rows every ``interval_s``, in one process at a time (a lease in Redis)."""
-        me = uuid.uuid4().hex.encode()
         # The lease outlives the slowest meter-event call twice over: renewed before each call, it
         # cannot lapse while one is in flight (20 s Stripe timeout: a 40 s lease, so a dead sender's
         # successor waits that long; billing is not in a hurry, a second sender would be wrong).
-        lease_s = max(int(interval_s * 10), 5, math.ceil(2 * self._stripe.config.timeout_s))
         # Renewed before each row too: a pass longer than the lease must not let a second process
         # take it and send the same rows meanwhile.
-        renew = redis.register_script(_RENEW)
-
-        async def holding() -> bool:
-            return bool(await renew(keys=[LEADER_KEY], args=[me, lease_s]))
-
+        lease = Lease(redis, LEADER_KEY, max(int(interval_s * 10), 5, math.ceil(2 * self._stripe.config.timeout_s)))
         while not stop.is_set():
             try:
-                if await redis.set(LEADER_KEY, me, nx=True, ex=lease_s) or await holding():
-                    await self.send_due(holding=holding)
+                if await lease.hold():
+                    await self.send_due(holding=lease.renew)
             except Exception:  # noqa: BLE001 - the loop must outlive a database or Redis hiccup
                 log.exception("outbox pass failed")
             with contextlib.suppress(TimeoutError):
@@ -131,12 +135,9 @@ async def reconcile(sessions: async_sessionmaker[AsyncSession], day: str) -> Rec
             RequestRecord.status != "queued")
         missing = (await session.execute(
             billable.where(~RequestRecord.id.in_(select(UsageOutbox.request_id))))).all()
-        for request_id, account_id, endpoint in missing:
-            meter = Meter.BATCH if endpoint.startswith(BATCH_ENDPOINT_PREFIX) else Meter.REQUESTS
-            session.add(UsageOutbox(request_id=request_id, account_id=account_id, day=day, created_at=now,
-                                    status=OutboxStatus.PENDING.value, attempts=0, next_attempt_at=now,
-                                    meter=meter.value))
-        await session.flush()
+        if missing:
+            await session.execute(insert(UsageOutbox), [outbox_row(request_id, account_id, day, now, endpoint)
+                                                        for request_id, account_id, endpoint in missing])
         total = await session.scalar(select(func.count()).select_from(billable.subquery()))
         in_outbox = await session.scalar(select(func.count()).where(UsageOutbox.day == day))
         sent = await session.scalar(select(func.count()).where(

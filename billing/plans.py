@@ -31,6 +31,13 @@ class PlanRules:
     max_inflight: int | None = None
     # Inputs one embeddings request may carry (each is one sequence the engine pools).
     max_embedding_inputs: int = 32
+    # Batch API lines: the discount off the per-request price (percent), and lines a day (None: no cap).
+    batch_discount_percent: int = 0
+    batch_daily_limit: int | None = None
+    # Shared-key detection: distinct addresses a key may be used from a UTC day before its owner is told,
+    # and at once before a request from another address is refused (None: neither).
+    shared_key_alert_addresses: int | None = None
+    shared_key_max_addresses: int | None = None
 
     @classmethod
     def from_row(cls, plan: Plan) -> PlanRules:
@@ -40,10 +47,18 @@ class PlanRules:
             else None, max_output_tokens=plan.max_output_tokens, max_n=plan.max_n,
             max_body_bytes=plan.max_body_bytes, timezone=plan.timezone, max_prompt_tokens=plan.max_prompt_tokens,
             max_inflight=plan.max_inflight, max_embedding_inputs=plan.max_embedding_inputs,
+            batch_discount_percent=plan.batch_discount_percent, batch_daily_limit=plan.batch_daily_limit,
+            shared_key_alert_addresses=plan.shared_key_alert_addresses,
+            shared_key_max_addresses=plan.shared_key_max_addresses,
         )
 
     def allows_model(self, model: str) -> bool:
         return self.allowed_models is None or model in self.allowed_models
+
+
+def batch_line_price(plan: PlanRules) -> int:
+    """A Batch API line's price: the plan's per-request price less its batch discount (rounded down)."""
+    return plan.price_per_request_micros * (100 - min(max(plan.batch_discount_percent, 0), 100)) // 100
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,8 @@
 """Exact daily request quotas in Redis, shared by every gateway process.
 
-Check-and-count is Lua (:data:`QUOTA_CHECK`, :data:`QUOTA_COUNT`) that the gateway's admission script
-runs (gateway/queueing.py, ``LaneQueue.admit``): it reads the day's counter, refuses at the limit, otherwise
-increments and sets the expiry, atomically, so any number of gateways agree. A request that fails
+Check-and-count is part of the lane queue's one admission script (:mod:`flatfare.lanes.admit`, which the
+gateway runs through ``LaneQueue.admit``): it reads the day's counter, refuses at the limit, otherwise
+increments and sets the expiry, atomically with the job's queueing, so any number of gateways agree. A request that fails
 before its first token gives its unit back. If Redis is unreachable the caller gets
 :class:`QuotaUnavailable` (the gateway answers 503: fail closed, never per-process counters).
 
@@ -19,7 +19,7 @@ entry and decrements in one step, so a unit is given back at most once, whoever 
 gateway itself, or the reaper (billing/held.py) for a gateway that died with units held.
 
 Each API key has a counter of its own too (``contract.key_quota_counter_key``), counted by the same
-admission script as its account's, and refused at the key's own daily cap (:data:`KEY_QUOTA_CHECK`).
+admission script as its account's, and refused at the key's own daily cap.
 A unit given back is given back to both counters in the one step, and a rebuild recomputes both.
 """
 
@@ -41,39 +41,6 @@ from flatfare.redis_conn import REDIS_DOWN
 
 # Counters outlive their day by this much, so a late give-back still finds them.
 EXPIRY_SLACK_S = 3600
-
-# The quota's check, run by the gateway's admission script (gateway/queueing.py), which also puts
-# the job on its lane in the same script: the one place a request is counted. KEYS[1]: the day's
-# counter, KEYS[2]: the epoch marker; ARGV[1]: the limit (-1: none). Leaves ``used``; returns early
-# when the request may not be counted.
-QUOTA_CHECK = """
-local generation = redis.call('GET', KEYS[2])
-if not generation then return {-1, 0} end
-local used = tonumber(redis.call('GET', KEYS[1]) or '0')
-if ARGV[1] ~= '-1' and used >= tonumber(ARGV[1]) then return {0, used} end
-"""
-# Counts the request: ARGV[2] is the counter's expiry (unix seconds).
-QUOTA_COUNT = """
-used = redis.call('INCR', KEYS[1])
-redis.call('EXPIREAT', KEYS[1], ARGV[2])
-"""
-REBUILT = -1
-# The key's cap, checked after the account's (KEYS[5]: the key's counter of the day; ARGV[7]: its cap,
-# -1 for none, '' for a claim that counts no key). Leaves ``key_used``; returns {3, used, key_used}
-# when the key's cap is reached. Nothing is counted before both checks passed.
-KEY_QUOTA_CHECK = """
-local key_used = 0
-if ARGV[7] ~= '' then
-    key_used = tonumber(redis.call('GET', KEYS[5]) or '0')
-    if ARGV[7] ~= '-1' and key_used >= tonumber(ARGV[7]) then return {3, used, key_used} end
-end
-"""
-KEY_QUOTA_COUNT = """
-if ARGV[7] ~= '' then
-    key_used = redis.call('INCR', KEYS[5])
-    redis.call('EXPIREAT', KEYS[5], ARGV[2])
-end
-"""
 
 # KEYS: the day's counter, the holder's hash, the epoch marker, and the key's counter of the day
 # when the unit counted one; ARGV: the request id, the generation it was counted in ('': only if
@@ -157,6 +124,19 @@ class DailyQuota:
         except REDIS_DOWN as exc:
             raise QuotaUnavailable(str(exc)) from exc
         return {key_id: int(value or 0) for key_id, value in zip(key_ids, values, strict=True)}
+
+    async def used_by_accounts(self, days: dict[int, str]) -> dict[int, int]:
+        """Each account's count of its day (account id -> quota day), a few thousand counters a round trip."""
+        ids = list(days)
+        used: dict[int, int] = {}
+        try:
+            for start in range(0, len(ids), 2000):
+                chunk = ids[start:start + 2000]
+                values = await self._redis.mget([counter_key(account_id, days[account_id]) for account_id in chunk])
+                used.update((account_id, int(value or 0)) for account_id, value in zip(chunk, values, strict=True))
+        except REDIS_DOWN as exc:
+            raise QuotaUnavailable(str(exc)) from exc
+        return used
 
     async def rebuild(self, day: str, not_counted: tuple[str, ...] = ()) -> None:
         """Recompute counters for ``day`` and its neighbours from the ledger, then trust them again.

@@ -1,4 +1,6 @@
-"""Stripe webhook events applied to accounts: each once, in order, whatever order they arrive in.
+"""Stripe webhook events applied to accounts: each once, in order, whatever order they arrive in. A
+subscription that starts, changes or ends moves the account's plan through billing's one rule set
+(:func:`flatfare.billing.plan_change.change_plan`), which leaves an audit entry naming Stripe.
 
 Every event id is recorded in ``stripe_events`` in the same transaction that applies it, so a
 replayed event is a no-op. An account remembers the ``created`` time of the newest event applied to
@@ -15,6 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from flatfare.billing.plan_change import STRIPE, PlanChangeRefused, change_plan
 from flatfare.billing.plans import FALLBACK_PLAN
 from flatfare.storage.models import Account, AccountStatus, StripeEvent
 
@@ -96,7 +99,7 @@ class WebhookProcessor:
         status = sub.get("status")
         if kind == "customer.subscription.deleted" or status in _ENDED:
             if account.stripe_subscription_id in (None, sub.get("id")):
-                account.plan = FALLBACK_PLAN
+                await change_plan(session, account, FALLBACK_PLAN, actor=STRIPE)
                 account.stripe_subscription_id = None
                 account.subscription_status = "canceled"
                 if account.status == AccountStatus.PAST_DUE:
@@ -108,8 +111,11 @@ class WebhookProcessor:
         account.stripe_subscription_id = sub.get("id")
         account.subscription_status = status
         if status in _ACTIVE:
-            account.plan = plan
-            account.trial_ends_at = None
+            try:
+                await change_plan(session, account, plan, paid=True, actor=STRIPE)
+            except PlanChangeRefused as exc:  # FLATFARE_STRIPE_PRICES names a plan the catalog lacks
+                log.error("stripe event for %s: %s", account.name, exc)
+                return "unknown plan"
             if account.status == AccountStatus.PAST_DUE:
                 account.status = AccountStatus.ACTIVE.value
         elif status in _PAST_DUE:

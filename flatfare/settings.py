@@ -32,6 +32,15 @@ class CommonSettings(BaseSettings):
     log_format: Literal["json", "text"] = "json"
     # Log prompts and outputs. Off by default: they are the customers' data.
     log_prompts: bool = False
+    # A job a worker holds but stops renewing (it died) is taken over after this long. Workers hold their
+    # jobs under it; gateways check their lost_job_after_s against it (flatfare.contract.timing).
+    job_lease_s: float = Field(default=15.0, gt=0)
+    # Flatfare's own spans over OTLP/HTTP (flatfare.tracing), e.g. http://127.0.0.1:4318: off unless both
+    # are set. The ratio is the share of requests without a client's sampled traceparent that are
+    # traced (decided at the gateway; the worker follows the job's flag). Every process of a platform
+    # gets the same two.
+    traces_endpoint: str = Field(default="", max_length=512)
+    traces_sample_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _default_models_dir(self) -> CommonSettings:

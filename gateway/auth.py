@@ -46,6 +46,14 @@ class Caller:
     key: KeyLimits = KeyLimits("", "")
 
 
+def caller_of(account: Account, key: ApiKey) -> Caller:
+    """The caller a key of ``account`` makes (``account`` detached from its session)."""
+    models = key.allowed_models
+    limits = KeyLimits(key.name, key.prefix, None if models is None else tuple(models), key.daily_limit,
+                       key.max_inflight)
+    return Caller(account_id=account.id, account_name=account.name, key_id=key.id, account=account, key=limits)
+
+
 def _unauthorized(message: str) -> APIError:
     return APIError(401, message, code="invalid_api_key")
 
@@ -103,8 +111,4 @@ class Authenticator:
                 await session.execute(update(ApiKey).where(ApiKey.id == api_key.id).values(last_used_at=now))
                 await session.commit()
             session.expunge(account)
-            models = api_key.allowed_models
-            limits = KeyLimits(api_key.name, api_key.prefix, None if models is None else tuple(models),
-                               api_key.daily_limit, api_key.max_inflight)
-            return Caller(account_id=account.id, account_name=account.name, key_id=api_key.id, account=account,
-                          key=limits)
+            return caller_of(account, api_key)

@@ -13,6 +13,7 @@ from flatfare.gateway.deps import CurrentCaller, RawBody
 from flatfare.gateway.errors import ERROR_RESPONSES, APIError
 from flatfare.gateway.settings import GatewaySettings
 from flatfare.storage.models import Account
+from flatfare.gateway.app_state import Services, services_of
 
 log = logging.getLogger("flatfare.billing")
 router = APIRouter(tags=["billing"], responses=ERROR_RESPONSES)
@@ -23,7 +24,7 @@ class CheckoutRequest(BaseModel):
     plan: str
 
 
-def _stripe(state: Any) -> StripeGateway:
+def _stripe(state: Services) -> StripeGateway:
     stripe: StripeGateway | None = state.stripe
     if stripe is None:
         raise APIError(503, "Billing is not configured on this platform.", code="billing_not_configured")
@@ -36,7 +37,7 @@ def _unavailable(exc: BillingError) -> APIError:
                     code="billing_error")
 
 
-async def _customer(state: Any, account: Account, stripe: StripeGateway) -> str:
+async def _customer(state: Services, account: Account, stripe: StripeGateway) -> str:
     if account.stripe_customer_id:
         return account.stripe_customer_id
     try:
@@ -51,7 +52,7 @@ def buyable_plans(settings: GatewaySettings) -> list[str]:
     return sorted(settings.stripe_prices)
 
 
-async def start_checkout(state: Any, account: Account, plan: str) -> tuple[str, str]:
+async def start_checkout(state: Services, account: Account, plan: str) -> tuple[str, str]:
     """A Stripe Checkout session subscribing ``account`` to ``plan``: its monthly price, and its metered
     price when the plan charges per request. Returns the session's id and URL. The API route and the
     console's billing page both come here."""
@@ -87,7 +88,7 @@ async def start_checkout(state: Any, account: Account, plan: str) -> tuple[str, 
         raise _unavailable(exc) from exc
 
 
-async def portal_url(state: Any, account: Account, return_url: str | None = None) -> str:
+async def portal_url(state: Services, account: Account, return_url: str | None = None) -> str:
     """A Stripe customer-portal link where ``account`` manages or cancels its subscription."""
     stripe = _stripe(state)
     customer_id = await _customer(state, account, stripe)
@@ -101,24 +102,24 @@ async def portal_url(state: Any, account: Account, return_url: str | None = None
 @router.post("/v1/billing/checkout")
 async def checkout(request: Request, caller: CurrentCaller, body: CheckoutRequest) -> dict[str, Any]:
     """A Stripe Checkout session subscribing the caller's account to ``pro`` or ``premium``."""
-    session_id, url = await start_checkout(request.app.state, caller.account, body.plan)
+    session_id, url = await start_checkout(services_of(request), caller.account, body.plan)
     return {"object": "checkout.session", "id": session_id, "url": url, "plan": body.plan}
 
 
 @router.post("/v1/billing/portal")
 async def portal(request: Request, caller: CurrentCaller) -> dict[str, Any]:
     """A Stripe customer-portal link where the account manages or cancels its subscription."""
-    return {"object": "billing_portal.session", "url": await portal_url(request.app.state, caller.account)}
+    return {"object": "billing_portal.session", "url": await portal_url(services_of(request), caller.account)}
 
 
 @router.post("/billing/stripe/webhook", include_in_schema=False)
 async def stripe_webhook(request: Request, payload: RawBody,
                          stripe_signature: Annotated[str | None, Header()] = None) -> dict[str, str]:
-    stripe = _stripe(request.app.state)
+    stripe = _stripe(services_of(request))
     try:
         event = stripe.verify_webhook(payload, stripe_signature)
     except InvalidWebhook as exc:
         log.warning("refused a Stripe webhook: %s", exc)
         raise APIError(400, "Invalid Stripe webhook signature or payload.", code="invalid_webhook") from exc
-    outcome = await request.app.state.webhooks.apply(event)
+    outcome = await services_of(request).webhooks.apply(event)
     return {"received": event["id"], "outcome": outcome}

@@ -10,6 +10,7 @@ from sqlalchemy import text
 
 from flatfare.redis_conn import REDIS_DOWN
 from flatfare.storage.db import DATABASE_DOWN
+from flatfare.gateway.app_state import services_of
 
 router = APIRouter(tags=["health"])
 
@@ -22,7 +23,7 @@ async def healthz() -> dict[str, str]:
 @router.get("/readyz")
 async def readyz(request: Request) -> JSONResponse:
     """Ready when the database and Redis answer and every served model has a live worker."""
-    state = request.app.state
+    state = services_of(request)
     checks: dict[str, Any] = {}
     try:
         async with state.sessions() as session:

@@ -4,8 +4,8 @@ Gateway processes (``flatfare gateway --processes N``) share one port, so the co
 use prometheus_client's multiprocess mode: each process writes its samples to files in
 ``PROMETHEUS_MULTIPROC_DIR`` (the ``gateway`` command makes a fresh one) and ``/metrics`` adds them up,
 whichever process answers the scrape. Values about the platform as a whole (queue depth, live workers,
-the billing outbox) are read from Redis and SQL at scrape time, so every gateway replica reports the
-same numbers for them: aggregate those with ``max``, not ``sum``.
+the billing outbox, each plan's targets, the ledger's checks) are gateway/platform_metrics.py's, read
+from Redis and SQL at scrape time.
 
 Metric names are a contract with deploy/prometheus and deploy/grafana (tests/deploy checks it).
 """
@@ -17,26 +17,24 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
+import orjson
 import psutil
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import multiprocess
-from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from sqlalchemy import func, select
+from prometheus_client.samples import Sample
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from flatfare import contract
-from flatfare.queues import QueueDepth, pool_queues
-from flatfare.redis_conn import REDIS_DOWN
-from flatfare.storage.db import DATABASE_DOWN
-from flatfare.storage.models import CatalogModel, OutboxStatus, UsageOutbox
+from flatfare import tracecontext
+from flatfare.tracing import Tracer
+from flatfare.gateway.app_state import services_of
+from flatfare.logs import log_context
+from flatfare.gateway.platform_metrics import PlatformSnapshot, SnapshotCollector, platform_snapshot
+from flatfare.loop_tasks import EventLoopTasks
 
 log = logging.getLogger("flatfare.gateway")
 
@@ -48,6 +46,10 @@ UNMATCHED_ROUTE = "unmatched"
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 QUEUE_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+# An engine's start or wake: seconds (a sleeping engine) to minutes (a cold start that loads weights).
+COLD_START_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# An error code is a label: what is not a short snake_case word (an engine's own text) is counted as "other".
+_ERROR_CODE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 
 
 class GatewayMetrics:
@@ -66,10 +68,10 @@ class GatewayMetrics:
                                  multiprocess_mode="livesum", registry=r)
         self.time_to_first_token = Histogram(
             "flatfare_time_to_first_token_seconds", "Request received to its first output reaching the "
-            "gateway (whole answer for non-streaming requests).", ["model", "lane"], buckets=TTFT_BUCKETS,
-            registry=r)
+            "gateway (whole answer for non-streaming requests).", ["model", "lane", "plan"],
+            buckets=TTFT_BUCKETS, registry=r)
         self.queue_wait = Histogram(
-            "flatfare_queue_wait_seconds", "Request received to a worker taking its job.", ["model", "lane"],
+            "flatfare_queue_wait_seconds", "Request received to a worker taking its job.", ["model", "lane", "plan"],
             buckets=QUEUE_WAIT_BUCKETS, registry=r)
         self.completions = Counter("flatfare_completions", "Completion requests finished, by ledger outcome "
                                    "(succeeded, failed, cancelled).", ["model", "lane", "outcome"], registry=r)
@@ -80,6 +82,20 @@ class GatewayMetrics:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.quota_rejections = Counter("flatfare_quota_rejections", "Requests refused with 429 because the "
                                         "account's daily allowance was spent.", ["plan"], registry=r)
+        self.refusals = Counter("flatfare_refusals", "Error answers (4xx and 5xx) by plan, status and the error "
+                                "body's code (\"\" when it has none).", ["plan", "status", "code"], registry=r)
+        self.cold_start_wait = Histogram(
+            "flatfare_cold_start_wait_seconds", "Requests admitted while their model had no warm worker (asleep, "
+            "waking, starting or none): request received to a worker taking the job.", ["model", "plan"],
+            buckets=COLD_START_BUCKETS, registry=r)
+        self.requests_lost = Counter("flatfare_requests_lost", "Requests that ended without their answer: their "
+                                     "job lost with Redis's data (job_lost) or their gateway process died "
+                                     "(gateway_lost). Free, but the client saw an error or nothing.", ["reason"],
+                                     registry=r)
+        for reason in ("job_lost", "gateway_lost"):  # at 0 from the start, so the first loss is an increase
+            self.requests_lost.labels(reason)
+        self.batch_lines = Counter("flatfare_batch_lines", "Batch API lines recorded, by outcome (done: the engine "
+                                   "answered, billed; failed: free).", ["model", "outcome"], registry=r)
 
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, remembered: prometheus_client resolves a label set under a lock
@@ -91,15 +107,19 @@ class GatewayMetrics:
             found = self._children[key] = metric.labels(*labels)
         return found
 
-    def first_token(self, model: str, lane: str, seconds: float) -> None:
-        self.child(self.time_to_first_token, model, lane).observe(max(seconds, 0.0))
+    def first_token(self, model: str, lane: str, plan: str, seconds: float) -> None:
+        self.child(self.time_to_first_token, model, lane, plan).observe(max(seconds, 0.0))
+
+    def cold_start(self, model: str, plan: str, seconds: float) -> None:
+        """A request admitted with no warm worker of its model was taken after ``seconds``."""
+        self.child(self.cold_start_wait, model, plan).observe(max(seconds, 0.0))
 
     def finished(self, model: str, lane: str, outcome: str, *, queue_ms: int | None, prompt_tokens: int,
-                 completion_tokens: int) -> None:
+                 completion_tokens: int, plan: str = "") -> None:
         """A request's ledger row was closed with ``outcome``."""
         self.child(self.completions, model, lane, outcome).inc()
         if queue_ms is not None:
-            self.child(self.queue_wait, model, lane).observe(queue_ms / 1000)
+            self.child(self.queue_wait, model, lane, plan).observe(queue_ms / 1000)
         if completion_tokens:
             self.child(self.output_tokens, model, lane).inc(completion_tokens)
         if prompt_tokens:
@@ -108,13 +128,29 @@ class GatewayMetrics:
     def quota_rejected(self, plan: str) -> None:
         self.quota_rejections.labels(plan).inc()
 
+    def refused(self, plan: str, status: int, code: str | None) -> None:
+        label = code if code is None or _ERROR_CODE.match(code) else "other"
+        self.child(self.refusals, plan, str(status), label or "").inc()
+
+    def lost(self, reason: str, requests: int = 1) -> None:
+        if requests:
+            self.child(self.requests_lost, reason).inc(requests)
+
+    def batch_line(self, model: str, answered: bool) -> None:
+        self.child(self.batch_lines, model, "done" if answered else "failed").inc()
+
+
+# Probes and scrapes, every few seconds from every load balancer and Prometheus: no spans of their own.
+UNTRACED_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+
 
 class RequestObserver:
     """ASGI middleware: counts and times every HTTP request, and writes one log line for it."""
 
-    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, tracer: Tracer | None = None) -> None:
         self.app = app
         self.metrics = metrics
+        self.tracer = tracer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -122,6 +158,15 @@ class RequestObserver:
             return
         started = time.perf_counter()
         response: dict[str, Any] = {"status": 500, "request_id": None}
+        spans = None
+        if self.tracer is None or scope.get("path") in UNTRACED_PATHS:
+            trace = tracecontext.continue_or_start(_header(scope, b"traceparent"))
+        else:
+            trace, spans = self.tracer.start(scope.get("method", ""), _header(scope, b"traceparent"), kind="server",
+                                             **{"http.request.method": scope.get("method", "")})
+        traceparent = (b"traceparent", trace.header().encode())
+        # For a route whose work goes on after the answer (a batch's lines): request.state.traceparent.
+        scope.setdefault("state", {})["traceparent"] = trace.header()
 
         async def observe_send(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -129,161 +174,65 @@ class RequestObserver:
                 for name, value in message.get("headers", ()):
                     if name == b"x-request-id":
                         response["request_id"] = value.decode()
+                message = {**message, "headers": [*message.get("headers", ()), traceparent]}
+            elif response["status"] >= 400 and "code" not in response:
+                response["code"] = error_code(message.get("body", b""))
             await send(message)
 
         self.metrics.in_progress.inc()
-        try:
-            await self.app(scope, receive, observe_send)
-        finally:
-            self.metrics.in_progress.dec()
-            matched = scope.get("route")
-            route = getattr(matched, "path", None) or UNMATCHED_ROUTE
-            self._record(scope, route, response, time.perf_counter() - started)
+        with log_context(**trace.log_fields()):
+            try:
+                await self.app(scope, receive, observe_send)
+            finally:
+                self.metrics.in_progress.dec()
+                matched = scope.get("route")
+                route = getattr(matched, "path", None) or UNMATCHED_ROUTE
+                self._record(scope, route, response, time.perf_counter() - started)
+                if spans is not None:
+                    spans.finish(response["status"], response.get("code"), name=f"{scope.get('method', '')} {route}",
+                                 **{"http.route": route, "flatfare.request_id": response["request_id"]})
 
     def _record(self, scope: Scope, route: str, response: dict[str, Any], seconds: float) -> None:
         state = scope.get("state") or {}
         caller = state.get("caller")
         plan = caller.account.plan if caller is not None else ""
         observe(self.metrics, scope.get("method", ""), route, response["status"], seconds,
-                request_id=response["request_id"], caller=caller, plan=plan)
+                request_id=response["request_id"], caller=caller, plan=plan, code=response.get("code"))
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+def error_code(body: bytes) -> str | None:
+    """The ``error.code`` of an OpenAI error body (None: not one, or it has no code)."""
+    if not body or len(body) > 65536 or body[:1] != b"{":
+        return None
+    try:
+        error = orjson.loads(body).get("error")
+    except orjson.JSONDecodeError:
+        return None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else None
 
 
 def observe(metrics: GatewayMetrics, method: str, route: str, status: int, seconds: float, *,
-            request_id: str | None, caller: Any, plan: str = "", model: str = "", lane: str = "") -> None:
+            request_id: str | None, caller: Any, plan: str = "", model: str = "", lane: str = "",
+            code: str | None = None) -> None:
     """Count and time one answered HTTP request, and write its log line."""
     metrics.child(metrics.requests, route, str(status), plan, model).inc()
     metrics.child(metrics.request_duration, route, model, lane).observe(seconds)
+    if status >= 400:
+        metrics.refused(plan, status, code)
     level = logging.DEBUG if route in _QUIET_ROUTES else logging.INFO
     if log.isEnabledFor(level):
         fields = {"status": status, "duration_ms": round(seconds * 1000, 1), "route": route,
                   "request_id": request_id, "account": caller.account_name if caller else None,
-                  "plan": plan, "model": model}
+                  "plan": plan, "model": model, "code": code}
         log.log(level, "%s %s %s", method, route, status, extra={k: v for k, v in fields.items() if v})
-
-
-# -- scrape time: the platform's state, read from Redis and SQL ---------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class PoolState:
-    live_workers: int
-    pinned: bool
-    min_workers: int
-    capacity: int
-    inflight: int
-
-
-@dataclass(slots=True)
-class PlatformSnapshot:
-    """What ``/metrics`` reports about the platform rather than about this process."""
-
-    queues: list[QueueDepth] = field(default_factory=list)
-    # Per pool: PoolQueues.demand, what an external scaler (KEDA) sizes the pool on.
-    demand: dict[str, int] = field(default_factory=dict)
-    pools: dict[str, PoolState] = field(default_factory=dict)
-    billing_enabled: bool = False
-    outbox_pending: int | None = None
-    outbox_oldest_age_s: float | None = None
-    up: dict[str, bool] = field(default_factory=dict)
-
-
-async def platform_snapshot(state: Any) -> PlatformSnapshot:
-    """The queues and pools of every catalogued or served model, and the billing outbox's backlog."""
-    snapshot = PlatformSnapshot(billing_enabled=bool(state.settings.stripe_enabled))
-    catalog: dict[str, tuple[bool, bool, int]] = {}
-    try:
-        async with state.sessions() as session:
-            # A LoRA variant has no pool of its own: its requests queue in its base model's.
-            for name, enabled, pinned, min_workers in (await session.execute(select(
-                    CatalogModel.name, CatalogModel.enabled, CatalogModel.pinned, CatalogModel.min_workers)
-                    .where(CatalogModel.base_model.is_(None)))).all():
-                catalog[name] = (bool(enabled), bool(pinned), int(min_workers or 0))
-            pending, oldest = (await session.execute(
-                select(func.count(), func.min(UsageOutbox.created_at))
-                .where(UsageOutbox.status == OutboxStatus.PENDING.value))).one()
-        snapshot.outbox_pending = int(pending or 0)
-        snapshot.outbox_oldest_age_s = 0.0
-        if oldest is not None:
-            snapshot.outbox_oldest_age_s = max((datetime.now(UTC) - oldest).total_seconds(), 0.0)
-        snapshot.up["database"] = True
-    except DATABASE_DOWN as exc:
-        log.warning("metrics: could not read the catalog and the billing outbox (%s)", exc.__class__.__name__)
-        snapshot.up["database"] = False
-    try:
-        seconds, micros = await state.redis.time()
-        now_ms = int(seconds) * 1000 + int(micros) // 1000
-        served = {_text(m) for m in await state.redis.smembers(contract.POOLS_KEY)}
-        # Every enabled pool of the catalog, served or not: one with no worker at all is what an
-        # external scaler must see demand for to start its first.
-        pools = [m for m in sorted(set(catalog) | served) if catalog.get(m, (True, False, 0))[0]]
-        for model in pools:
-            _, pinned, min_workers = catalog.get(model, (True, False, 0))
-            workers = await state.pools.live_workers(model)
-            snapshot.pools[model] = PoolState(len(workers), pinned, min_workers, sum(w.capacity for w in workers),
-                                              sum(w.inflight for w in workers))
-        for model, queues in (await pool_queues(state.redis, pools, now_ms)).items():
-            snapshot.queues.extend(queues.lanes)
-            snapshot.demand[model] = queues.demand
-        snapshot.up["redis"] = True
-    except REDIS_DOWN as exc:
-        log.warning("metrics: could not read the queues (%s)", exc.__class__.__name__)
-        snapshot.up["redis"] = False
-    return snapshot
-
-
-class SnapshotCollector(Collector):
-    def __init__(self, snapshot: PlatformSnapshot) -> None:
-        self.snapshot = snapshot
-
-    def collect(self) -> Iterable[GaugeMetricFamily]:
-        s = self.snapshot
-        yield from _queue_families(s.queues)
-        demand = GaugeMetricFamily("flatfare_model_demand", "Requests that need a worker of the model's pool: "
-                                   "waiting (both lanes, and routed to a worker's own stream) or taken and not "
-                                   "finished. Scale a pool on it; above 0 with no worker, start one.",
-                                   labels=["model"])
-        for model, jobs in s.demand.items():
-            demand.add_metric([model], jobs)
-        yield demand
-        live = GaugeMetricFamily("flatfare_pool_live_workers", "Workers of the model with a fresh heartbeat.",
-                                 labels=["model", "pinned"])
-        wanted = GaugeMetricFamily("flatfare_pool_min_workers", "Workers the catalog wants for the model.",
-                                   labels=["model"])
-        capacity = GaugeMetricFamily("flatfare_pool_capacity", "Jobs the model's live workers can hold at once.",
-                                     labels=["model"])
-        inflight = GaugeMetricFamily("flatfare_pool_inflight", "Jobs the model's live workers hold now.",
-                                     labels=["model"])
-        for model, pool in s.pools.items():
-            live.add_metric([model, "true" if pool.pinned else "false"], pool.live_workers)
-            wanted.add_metric([model], pool.min_workers)
-            capacity.add_metric([model], pool.capacity)
-            inflight.add_metric([model], pool.inflight)
-        yield from (live, wanted, capacity, inflight)
-        yield GaugeMetricFamily("flatfare_billing_enabled", "1 when usage is reported to Stripe (the outbox is "
-                                "being sent), 0 when billing is off.", value=1.0 if s.billing_enabled else 0.0)
-        if s.outbox_pending is not None:
-            yield GaugeMetricFamily("flatfare_billing_outbox_pending", "Meter events waiting to be sent to Stripe.",
-                                    value=s.outbox_pending)
-            yield GaugeMetricFamily("flatfare_billing_outbox_oldest_age_seconds", "Age of the oldest meter event "
-                                    "waiting to be sent (0 when none waits).", value=s.outbox_oldest_age_s or 0.0)
-        up = GaugeMetricFamily("flatfare_dependency_up", "Whether the gateway could read this dependency when "
-                               "scraped.", labels=["dependency"])
-        for name, ok in s.up.items():
-            up.add_metric([name], 1.0 if ok else 0.0)
-        yield up
-
-
-def _queue_families(queues: list[QueueDepth]) -> Iterator[GaugeMetricFamily]:
-    depth = GaugeMetricFamily("flatfare_queue_depth", "Jobs waiting for a worker.", labels=["model", "lane"])
-    claimed = GaugeMetricFamily("flatfare_queue_claimed", "Jobs a worker has taken and not finished.",
-                                labels=["model", "lane"])
-    oldest = GaugeMetricFamily("flatfare_queue_oldest_wait_seconds", "How long the oldest waiting job has "
-                               "waited (0 when none waits).", labels=["model", "lane"])
-    for q in queues:
-        depth.add_metric([q.model, q.lane], q.waiting)
-        claimed.add_metric([q.model, q.lane], q.claimed)
-        oldest.add_metric([q.model, q.lane], q.oldest_wait_s)
-    yield from (depth, claimed, oldest)
 
 
 _LIVE_GAUGE_FILE = re.compile(r"gauge_live\w+?_(\d+)\.db$")
@@ -297,15 +246,30 @@ def forget_dead_processes(path: str) -> None:
             multiprocess.mark_process_dead(int(match.group(1)), path)
 
 
+def process_samples(metrics: GatewayMetrics) -> list[Sample]:
+    """Every sample of every process of this gateway (what ``/metrics`` adds up), without the platform's."""
+    multiproc_dir = os.environ.get(MULTIPROC_ENV)
+    if multiproc_dir:
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, multiproc_dir)
+    else:
+        registry = metrics.registry
+    return [sample for family in registry.collect() for sample in family.samples]
+
+
 def exposition(metrics: GatewayMetrics, snapshot: PlatformSnapshot) -> bytes:
+    """On the event loop, the task count is the answering process's (outside one, none is reported)."""
+    tasks = EventLoopTasks.of_running_loop()
     multiproc_dir = os.environ.get(MULTIPROC_ENV)
     if multiproc_dir:
         forget_dead_processes(multiproc_dir)
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, multiproc_dir)
         registry.register(SnapshotCollector(snapshot))
+        registry.register(tasks)
         return generate_latest(registry)
-    return generate_latest(metrics.registry) + generate_latest(_single(SnapshotCollector(snapshot)))
+    return (generate_latest(metrics.registry) + generate_latest(_single(SnapshotCollector(snapshot)))
+            + generate_latest(_single(tasks)))
 
 
 def _single(collector: Collector) -> CollectorRegistry:
@@ -314,16 +278,12 @@ def _single(collector: Collector) -> CollectorRegistry:
     return registry
 
 
-def _text(value: bytes | str | None) -> str:
-    return value.decode() if isinstance(value, bytes) else (value or "")
-
-
 router = APIRouter(tags=["operations"])
 
 
 @router.get("/metrics", include_in_schema=False)
 async def metrics(request: Request) -> Response:
     """Prometheus metrics of every process of this gateway, plus the platform's queues and outbox."""
-    state = request.app.state
+    state = services_of(request)
     snapshot = await platform_snapshot(state)
     return Response(exposition(state.metrics, snapshot), media_type=CONTENT_TYPE_LATEST)

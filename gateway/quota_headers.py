@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flatfare.billing.plans import QuotaWindow, openai_duration, quota_window
 from flatfare.billing.quota import QuotaUnavailable
+from flatfare.gateway.app_state import Services
+
+if TYPE_CHECKING:
+    from flatfare.gateway.auth import Caller
 
 
 def ratelimit_headers(limit: int | None, used: int, window: QuotaWindow, now: datetime) -> dict[str, str]:
@@ -52,10 +56,10 @@ class RateLimitHeaders:
         caller = state.get("caller")
         if caller is None:
             return {}
-        return await current_headers(scope["app"].state, caller)
+        return await current_headers(scope["app"].state.services, caller)
 
 
-async def current_headers(app_state: Any, caller: Any) -> dict[str, str]:
+async def current_headers(app_state: Services, caller: Caller) -> dict[str, str]:
     """The caller's rate-limit headers read from the counter (for answers that counted nothing)."""
     now = datetime.now(UTC)
     try:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, PositiveFloat, SecretStr, model_validator
 
 from flatfare.billing.stripe_client import StripeConfig
+from flatfare.contract import timing
 from flatfare.settings import CommonSettings
 
 
@@ -24,6 +25,17 @@ class GatewaySettings(CommonSettings):
     forwarded_allow_ips: str = "127.0.0.1"
     # Largest request body accepted, in bytes (plans may lower it); larger ones get 413.
     max_body_bytes: int = 8 * 1024 * 1024
+    # How long an idle client connection stays open (uvicorn; granian keeps it until the client closes). Longer
+    # than any client's or load balancer's own idle limit (httpx and the OpenAI SDKs: 5 s; AWS ALB: 60 s), so
+    # the client always closes first: with equal limits a client sends a request on a connection the
+    # gateway is closing at that moment, and it fails with a connection error (uvicorn's default is 5 s).
+    keep_alive_s: float = Field(default=65.0, gt=0, le=3600)
+    # How long a request sent with an Idempotency-Key is replayed to a retry with the same key: its answer
+    # is kept in Redis that long (ff:reply:{id}, about 4 KiB each; docs/OPERATIONS.md sizes Redis by it).
+    idempotency_window_s: int = Field(default=24 * 3600, ge=60, le=7 * 24 * 3600)
+    # At shutdown, how long a background pass (files and responses expiry, batch dispatch, the billing
+    # outbox, quota alerts, shared-key notices) may finish the pass it is in before it is cancelled.
+    shutdown_grace_s: float = Field(default=10.0, gt=0)
     # How long a request may wait for its worker's answer, queued and running together.
     request_timeout_s: float = 600.0
     # A request for a model with no warm worker, admitted because a fleet supervisor or an external
@@ -36,11 +48,11 @@ class GatewaySettings(CommonSettings):
     external_scaler: bool = False
     # After Redis lost its data (the quota counters' generation changed), a request that hears
     # nothing from any worker for this long lost its job with the data: 503 job_lost, free. Workers
-    # still running such a job say so every contract.HELD_EVERY_S once their lease renewal (every
-    # third of their job lease) finds its entry gone, so this must exceed a third of the lease plus that.
+    # still running such a job say so once their lease renewal (every third of job_lease_s) finds its
+    # entry gone, then every contract.timing.HELD_EVERY_S: this must exceed that (checked below).
     lost_job_after_s: float = 15.0
     # A gateway process silent this long died: another one settles the quota units it held
-    # (gateway/held.py). Processes renew every 0.5 s.
+    # (billing/held.py). Processes renew every contract.timing.GATEWAY_BEAT_S (checked below).
     gateway_dead_after_s: float = 30.0
     # How long an authenticated key, the catalog and the live-worker view are reused in-process.
     auth_cache_ttl_s: float = 0.5
@@ -55,6 +67,19 @@ class GatewaySettings(CommonSettings):
     # Send requests sharing a long prompt prefix to the worker that served it last (prefix cache).
     prefix_routing: bool = True
     db_pool_size: int = 20
+    # What each plan is sold, as the live figures are measured against it: the p99 time to first token
+    # (whole answer when not streamed) and queue wait a plan's requests should stay under, in seconds.
+    # Exported as flatfare_plan_ttft_target_seconds / flatfare_plan_queue_wait_target_seconds, drawn on
+    # the Grafana dashboard and the admin console's, and alerted on (deploy/prometheus/rules). A plan
+    # not named has no target.
+    plan_ttft_target_s: dict[str, PositiveFloat] = Field(default_factory=lambda: {
+        "premium": 5.0, "enterprise": 5.0, "pro": 15.0, "trial": 60.0, "free": 60.0})
+    plan_queue_wait_target_s: dict[str, PositiveFloat] = Field(default_factory=lambda: {
+        "premium": 2.0, "enterprise": 2.0, "pro": 10.0, "trial": 30.0, "free": 30.0})
+    # How often each gateway process reads, for /metrics, each plan's quota used and the ledger's checks
+    # (billing/checks.py: each reads the last day's ledger rows); scrapes in between reuse the last
+    # reading. 0: at every scrape.
+    metrics_ledger_every_s: float = Field(default=30.0, ge=0)
     # Where the gateway processes keep their metric files (prometheus_client's multiprocess mode);
     # emptied at start. Empty: a fresh temporary folder each start.
     metrics_dir: str = ""
@@ -100,8 +125,19 @@ class GatewaySettings(CommonSettings):
     console_login_window_s: int = Field(default=900, ge=1)
     # A rotated key keeps working this long after its replacement is made.
     console_rotation_grace_s: int = Field(default=24 * 3600, ge=0)
+    # The chat model the console names first (Quick start's snippets, the Playground's picker) when the
+    # account's plan has it; the plan's other chat models follow by name (embedding models never appear).
+    console_default_model: str = "smollm2-135m-instruct"
+    # Where "Contact sales" on the console's plans page leads: an email address, shown as a mailto
+    # link (FLATFARE_SALES_CONTACT); empty: the page offers no contact.
+    sales_contact: str = Field(default="", max_length=254, pattern=r"^([^@\s<>\"]+@[^@\s<>\"]+)?$")
     # How long an emailed password-reset or verification link stays valid.
     console_link_ttl_s: int = Field(default=3600, ge=60)
+    # Teams (gateway/console/team.py): members an account may have (pending invitations count), the
+    # invitations it may send a day, and how long an invitation's link works.
+    console_team_max_members: int = Field(default=25, ge=1, le=1000)
+    console_team_invites_per_day: int = Field(default=20, ge=1, le=1000)
+    console_team_invite_ttl_s: int = Field(default=7 * 86_400, ge=300)
     # The outgoing mail server for reset and verification links; with no host set, each link is
     # written to the gateway's log instead (marked "CONSOLE EMAIL"), which `flatfare up` shows.
     smtp_host: str = ""
@@ -110,6 +146,33 @@ class GatewaySettings(CommonSettings):
     smtp_password: SecretStr = SecretStr("")
     smtp_from: str = "flatfare@localhost"
     smtp_starttls: bool = True
+
+    # Shared-key detection (gateway/shared_keys.py): each API key's distinct client addresses and user
+    # agents a UTC day, counted as keyed hashes (HMAC-SHA256) in Redis HyperLogLogs and kept this many
+    # days; never the addresses themselves.
+    shared_keys_keep_days: int = Field(default=7, ge=1, le=90)
+    # The hashes' key. Empty: a random one, made once and kept in Redis beside the counts. Set it (the
+    # same in every gateway process) so that a copy of Redis alone cannot test guessed addresses.
+    shared_keys_secret: SecretStr = SecretStr("")
+    # "At once" for a plan's shared_key_max_addresses: the distinct addresses a key was used from in
+    # this many last seconds.
+    shared_keys_window_s: int = Field(default=600, ge=10, le=86_400)
+    # How often each gateway process looks for keys newly past their plan's alert threshold and emails
+    # their owners (once per key and day, whichever process sees it first).
+    shared_keys_check_every_s: float = Field(default=30.0, gt=0)
+
+    # Quota alerts (gateway/quota_alerts.py): one gateway process at a time reads the day's quota counters
+    # this often and sends an account's alerts (email, signed webhook) for the thresholds crossed.
+    quota_alerts_every_s: float = Field(default=30.0, gt=0)
+    # A delivery that failed is tried again after 1, 2, 4, ... seconds (at most this long), and given up
+    # after this many tries (the console's delivery log shows each).
+    quota_alerts_max_backoff_s: float = Field(default=3600.0, gt=0)
+    quota_alerts_max_attempts: int = Field(default=8, ge=1, le=100)
+    # Webhook URLs must be https and reach a public address. For tests and private deployments only:
+    # allow http, and hosts (names or addresses, exactly as written in the URL) exempt from the
+    # public-address check.
+    quota_alerts_webhook_allow_http: bool = False
+    quota_alerts_webhook_allow_hosts: list[str] = Field(default_factory=list, max_length=50)
 
     # The Files API (gateway/files/). Where the files' bytes live: "local", a folder (files_dir, default
     # files/ in the data folder; every gateway process must see the same one), or "s3", a bucket of
@@ -133,6 +196,16 @@ class GatewaySettings(CommonSettings):
     # Stored responses (POST /v1/responses with store) are kept this long, as OpenAI keeps them; older
     # ones read as absent and each gateway process deletes them every files_sweep_interval_s.
     responses_retention_days: float = Field(default=30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _times_fit_the_workers(self) -> GatewaySettings:
+        """The cross-process timing rules a gateway's settings must keep (flatfare.contract.timing)."""
+        try:
+            timing.check_lost_job_after(self.lost_job_after_s, self.job_lease_s)
+            timing.check_dead_after(self.gateway_dead_after_s)
+        except timing.TimingRuleBroken as exc:
+            raise ValueError(str(exc)) from exc
+        return self
 
     @property
     def stripe_enabled(self) -> bool:

@@ -3,6 +3,7 @@ end-to-end tests) one live stack — migrations, a vLLM CPU worker and the gatew
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from flatfare.redis_conn import connect
 from flatfare.redis_local import LocalRedis, free_port
 from flatfare.storage.db import create_engine as create_async_engine
 from flatfare.storage.db import migrate, session_factory
+from tests.otlp_receiver import OTLPReceiver, otlp_receiver
 
 REPO = Path(__file__).resolve().parents[1]
 POSTGRES_URL = os.environ.get("FLATFARE_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
@@ -217,8 +219,10 @@ def stop_process(proc: subprocess.Popen[bytes]) -> None:
 @contextmanager
 def launch_stack(data: Path, *, model: str = "smollm2-135m-instruct", worker_args: tuple[str, ...] = (),
                  gateway_processes: int = 1, env: dict[str, str] | None = None,
-                 account_plan: str = "pro", database_url: str | None = None) -> Iterator[Stack]:
-    """Migrations, a private redis-server, one worker and the gateway; stopped on exit."""
+                 account_plan: str = "pro", database_url: str | None = None,
+                 port: int | None = None) -> Iterator[Stack]:
+    """Migrations, a private redis-server, one worker and the gateway (on ``port``, or a free one);
+    stopped on exit."""
     logs = data / "logs"
     logs.mkdir(parents=True)
     local_redis = LocalRedis(data / "redis", persist=False).start()
@@ -236,7 +240,7 @@ def launch_stack(data: Path, *, model: str = "smollm2-135m-instruct", worker_arg
         **(env or {}),
     }
     migrate(database_url)
-    port = free_port()
+    port = port or free_port()
     flatfare = [sys.executable, "-m", "flatfare"]
     worker = subprocess.Popen([*flatfare, "worker", "--model", model, *worker_args], env=full_env, cwd=data,
                               stdout=(logs / "worker.log").open("wb"), stderr=subprocess.STDOUT)
@@ -288,8 +292,29 @@ def launch_admin_stack(data: Path, name: str) -> Iterator[Stack]:
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack_traces() -> Iterator[OTLPReceiver]:
+    """The OTLP/HTTP receiver the shared stack's processes (and its vLLM engine) export their spans to."""
+    with otlp_receiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory, stack_traces: OTLPReceiver) -> Iterator[Stack]:
     """The whole platform on the real engine, started once for every end-to-end test that needs it."""
     # Eager mode starts the CPU engine in ~40 s instead of compiling for minutes.
-    with launch_stack(tmp_path_factory.mktemp("stack"), env={"FLATFARE_ENGINE_OPTIONS": '{"enforce_eager": true}'}) as s:
+    # Tracing on, but only for a request whose client asks (traceparent flag 01; a ratio of one in a million
+    # for the rest): vLLM exports its own spans under the worker's (tests/e2e/test_metrics.py).
+    engine_options = {"enforce_eager": True, "otlp_traces_endpoint": f"{stack_traces.url}/v1/traces"}
+    # Shared-key notices looked for every second instead of 30 (tests/console/test_shared_keys.py).
+    with launch_stack(tmp_path_factory.mktemp("stack"), env={"FLATFARE_ENGINE_OPTIONS": json.dumps(engine_options),
+                                                             "FLATFARE_TRACES_ENDPOINT": stack_traces.url,
+                                                             "FLATFARE_TRACES_SAMPLE_RATIO": "0.000001",
+                                                             "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+                                                             "OTEL_BSP_SCHEDULE_DELAY": "100",
+                                                             "FLATFARE_SHARED_KEYS_CHECK_EVERY_S": "1",
+                                                             # Quota alerts: a pass a second, webhooks to a local
+                                                             # receiver (tests/console/test_quota_alerts.py).
+                                                             "FLATFARE_QUOTA_ALERTS_EVERY_S": "1",
+                                                             "FLATFARE_QUOTA_ALERTS_WEBHOOK_ALLOW_HTTP": "1",
+                                                             "FLATFARE_QUOTA_ALERTS_WEBHOOK_ALLOW_HOSTS": '["127.0.0.1"]'}) as s:
         yield s

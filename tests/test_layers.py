@@ -14,8 +14,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 # The top-level folders that install under flatfare (pyproject's package-dir); importable only as flatfare.X.
-BARE = frozenset({"gateway", "workers", "billing"})
-SCANNED = ("flatfare", "gateway", "workers", "billing", "migrations", "bench", "tests")
+BARE = frozenset({"gateway", "workers", "billing", "fleet"})
+SCANNED = ("flatfare", "gateway", "workers", "billing", "fleet", "migrations", "bench", "tests")
 
 
 def installed_layout(into: Path) -> Path:

@@ -1,98 +1,19 @@
-"""How a worker takes jobs: its own stream first, then the premium lane, then the standard lane,
-with a guaranteed share for standard, and within a lane one job per account in turn, then the batch
-lane with what capacity the live lanes leave idle; lease renewal; taking over the jobs of dead workers.
+"""How a worker takes jobs: the lane queue's claim pass (:mod:`flatfare.lanes.claim`: its own stream first,
+then the premium lane, then the standard lane, within a lane one job per account in turn, then the batch
+lane with what capacity the live lanes leave idle), with the standard lane's guaranteed share earned
+here; lease renewal; taking over the jobs of dead workers.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from flatfare import contract
 from flatfare.contract import Lane
+from flatfare.lanes.claim import ClaimKeys, Claimed, Entry, claim_pass
 
-Entry = tuple[bytes, dict[bytes, bytes]]
-
-# One claim pass, without blocking. KEYS: 1 the worker's own stream, 2 and 3 the premium and the
-# standard lane's streams, 4 and 5 their rings of accounts, 6 and 7 their queued counters, 8 the pool's
-# wake stream, 9 the batch lane's stream. ARGV: 1 consumer group, 2 consumer, 3 free slots, 4 of them the
-# standard lane may take, 5 '1' when standard's earned slot comes first, 6 and 7 the premium and standard
-# account queues' key prefix (the account id follows), 8 slots the batch lane may take (the free ones
-# beyond the reserve kept for live traffic).
-# A lane is served one job per account in turn: the next account of the ring (LMOVE rotates it to
-# the back) gives its oldest job, which moves into the lane's stream; the lane's stream is then read
-# through the consumer group, so a job taken is pending there, under this worker's lease, exactly as
-# before. An account whose queue empties leaves the ring. Returns {taken, wake}: taken = {{i, entries},
-# ...} (i: 1 own, 2 premium, 3 standard, 4 batch) and wake = the wake stream's last id, to block from.
-_PASS = """
-local group, consumer = ARGV[1], ARGV[2]
-local free, standard_free = tonumber(ARGV[3]), tonumber(ARGV[4])
-local taken = {}
-local function read(i, stream, most)
-  if most <= 0 then return 0 end
-  local ok, reply = pcall(redis.call, 'XREADGROUP', 'GROUP', group, consumer, 'COUNT', most, 'STREAMS', stream, '>')
-  if not ok then  -- no group: a Redis that lost its data (a job moved here just now made the stream)
-    redis.pcall('XGROUP', 'CREATE', stream, group, '0', 'MKSTREAM')
-    ok, reply = pcall(redis.call, 'XREADGROUP', 'GROUP', group, consumer, 'COUNT', most, 'STREAMS', stream, '>')
-  end
-  if ok and reply and reply[1] and #reply[1][2] > 0 then
-    taken[#taken + 1] = {i, reply[1][2]}
-    return #reply[1][2]
-  end
-  return 0
-end
-local function serve(i, most)
-  if most <= 0 then return 0 end
-  local stream, ring, queued, prefix = KEYS[i], KEYS[i + 2], KEYS[i + 4], ARGV[i + 4]
-  local moved = 0
-  while moved < most do
-    local account = redis.call('LMOVE', ring, ring, 'LEFT', 'RIGHT')
-    if not account then break end
-    local queue = prefix .. account
-    local first = redis.call('XRANGE', queue, '-', '+', 'COUNT', 1)
-    if #first == 0 then
-      redis.call('LREM', ring, -1, account)
-    else
-      redis.call('XDEL', queue, first[1][1])
-      redis.call('XADD', stream, '*', unpack(first[1][2]))
-      redis.call('DECR', queued)
-      moved = moved + 1
-      if redis.call('XLEN', queue) == 0 then
-        redis.call('DEL', queue)
-        redis.call('LREM', ring, -1, account)
-      end
-    end
-  end
-  return read(i, stream, most)
-end
-free = free - read(1, KEYS[1], free)
-if ARGV[5] == '1' and standard_free > 0 then
-  local got = serve(3, math.min(1, free))
-  free, standard_free = free - got, standard_free - got
-end
-free = free - serve(2, free)
-free = free - serve(3, math.min(free, standard_free))
--- Batch jobs only with slots to spare and nothing waiting on either live lane: a live request
--- admitted now still finds this worker's reserve, and one already waiting is taken first.
-local batch_free = math.min(free, tonumber(ARGV[8]))
-if batch_free > 0 and tonumber(redis.call('GET', KEYS[6]) or '0') <= 0
-    and tonumber(redis.call('GET', KEYS[7]) or '0') <= 0 then
-  read(4, KEYS[9], batch_free)
-end
-local last = redis.call('XREVRANGE', KEYS[8], '+', '-', 'COUNT', 1)
-return {taken, last[1] and last[1][1] or '0-0'}
-"""
-
-
-@dataclass(frozen=True, slots=True)
-class Claimed:
-    stream: str
-    lane: Lane | None  # None: the worker's own stream (prefix-routed jobs)
-    entries: list[Entry]
-    reclaimed: bool = False
-
+__all__ = ["Claimed", "Claimer", "LaneShare", "ensure_group"]
 
 class LaneShare:
     """Anti-starvation: every premium claim earns standard ``share / (1 - share)`` of a slot; once
@@ -127,16 +48,11 @@ class Claimer:
         self.model = model
         self.worker_id = worker_id
         self.share = share or LaneShare()
-        self.own = contract.worker_stream(model, worker_id)
-        lanes = (Lane.PREMIUM, Lane.STANDARD)
-        self.lanes = {lane: contract.job_stream(model, lane) for lane in lanes}
-        self.rings = {lane: contract.lane_ring(model, lane) for lane in lanes}
-        self.queued = {lane: contract.queued_key(model, lane) for lane in lanes}
-        # account_queue(model, lane, "") is the prefix every account id completes.
-        self.queue_prefixes = {lane: contract.account_queue(model, lane, "") for lane in lanes}
-        self.wake = contract.wake_stream(model)
-        self.batch = contract.job_stream(model, Lane.BATCH)
-        self._pass_script = redis.register_script(_PASS)
+        self.keys = ClaimKeys(model, worker_id)
+        self.own = self.keys.own
+        self.lanes = self.keys.lanes
+        self.wake = self.keys.wake
+        self.batch = self.keys.batch
 
     async def setup(self) -> None:
         for stream in (self.own, *self.lanes.values(), self.batch):
@@ -162,20 +78,10 @@ class Claimer:
         return claimed
 
     async def _pass(self, free: int, standard_free: int, batch_free: int = 0) -> tuple[list[Claimed], bytes | str]:
-        premium, standard = self.lanes[Lane.PREMIUM], self.lanes[Lane.STANDARD]
-        keys = [self.own, premium, standard, *self.rings.values(), *self.queued.values(), self.wake, self.batch]
-        args = [contract.POOL_GROUP, self.worker_id, free, standard_free, int(self.share.standard_first()),
-                *self.queue_prefixes.values(), batch_free]
-        taken, wake = await self._pass_script(keys=keys, args=args)
-        streams = {1: (self.own, None), 2: (premium, Lane.PREMIUM), 3: (standard, Lane.STANDARD),
-                   4: (self.batch, Lane.BATCH)}
-        claimed: list[Claimed] = []
-        for index, entries in taken:
-            stream, lane = streams[int(index)]
-            parsed: list[Entry] = [(entry_id, dict(zip(fields[::2], fields[1::2], strict=True)))
-                                   for entry_id, fields in entries]
-            claimed.append(Claimed(stream, lane, parsed))
-            self.share.took(lane, len(parsed))
+        claimed, wake = await claim_pass(self.redis, self.keys, free=free, standard_free=standard_free,
+                                         standard_first=self.share.standard_first(), batch_free=batch_free)
+        for batch in claimed:
+            self.share.took(batch.lane, len(batch.entries))
         return claimed, wake
 
     async def renew(self, held: dict[str, list[bytes]]) -> set[tuple[str, bytes]]:

@@ -17,8 +17,9 @@ import logging
 import os
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from flatfare.capabilities import chat_template_path
@@ -29,7 +30,7 @@ from flatfare.logs import LoggingLevels
 # vLLM fetches a request's media URLs itself (aiohttp, which honours HTTPS_PROXY). The gateway checked
 # each URL's host; a redirect would take the fetch somewhere it did not check (169.254.169.254, say),
 # so none is followed. One image may cost at most 20 MB downloaded and 7680 x 4320 pixels decoded (the
-# gateway's bound for inline images, gateway/media.py). An operator's own value of any of these wins.
+# gateway's bound for inline images, gateway/openai/media.py). An operator's own value of any of these wins.
 MEDIA_LIMITS = {
     "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0",
     "VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB": "20",
@@ -167,6 +168,53 @@ SLEEP_FLAG = "--enable-sleep-mode"
 VariantSource = Callable[[str], Awaitable[str | None]]
 
 
+@dataclass
+class EnginePace:
+    """What the engine says of its own pace, for the worker's pace governor (flatfare.workers.pace): every
+    request's inter-token latencies at each step, as vLLM's output processor times them (the engine core's
+    output timestamps: no front-end lag, no chunks coalesced), and the fewest requests its scheduler had
+    waiting since the last look (above zero: the engine is behind its own queue). Fed by a stat logger vLLM
+    calls with each batch of outputs (:meth:`logger`); read and reset by the worker once a window."""
+
+    gaps: list[float] = field(default_factory=list)
+    fewest_waiting: int | None = None
+    running: int = 0
+
+    MAX_GAPS = 200_000  # if nobody reads them (no governor), the oldest go
+
+    def take(self) -> tuple[list[float], int]:
+        gaps, self.gaps = self.gaps, []
+        waiting, self.fewest_waiting = self.fewest_waiting or 0, None
+        return gaps, waiting
+
+    def logger(self) -> type:
+        """A per-engine stat logger class for ``AsyncLLM(stat_loggers=...)`` (vLLM 0.26 and 0.32 alike)."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        pace = self
+
+        class PaceLogger(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                       engine_idx: int = 0, **_: Any) -> None:
+                if iteration_stats is not None:
+                    pace.gaps.extend(getattr(iteration_stats, "inter_token_latencies_iter", ()))
+                    if len(pace.gaps) > pace.MAX_GAPS:
+                        del pace.gaps[:len(pace.gaps) // 2]
+                if scheduler_stats is not None:
+                    waiting = int(getattr(scheduler_stats, "num_waiting_reqs", 0))
+                    pace.fewest_waiting = waiting if pace.fewest_waiting is None else min(pace.fewest_waiting,
+                                                                                          waiting)
+                    pace.running = int(getattr(scheduler_stats, "num_running_reqs", 0))
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return PaceLogger
+
+
 class Engine:
     """An ``AsyncLLM`` plus vLLM's OpenAI serving layer for one model.
 
@@ -175,8 +223,10 @@ class Engine:
 
     def __init__(self, argv: list[str], *, engine_metrics: bool = True,
                  logging_config: dict[str, Any] | None = None, sleep_mode: bool = False,
-                 variants: VariantSource | None = None) -> None:
+                 variants: VariantSource | None = None, pace: bool | None = None) -> None:
         self._argv = argv
+        # Report the engine's pace (EnginePace) for the worker's governor: True, False, or None: but on the CPU.
+        self._pace = pace
         self._sleep_mode = sleep_mode or SLEEP_FLAG in argv
         self._variant_source = variants
         # Why it cannot sleep ("" once started with sleep mode).
@@ -201,6 +251,11 @@ class Engine:
         self.max_num_seqs = 0
         # What the engine started with, once started (:func:`effective_config`).
         self.engine_config: dict[str, Any] = {}
+        # Its own pace, step by step (the pace governor's input).
+        self.pace = EnginePace()
+        # Whether vLLM exports OTLP traces (its otlp_traces_endpoint option): only then is a job's trace
+        # context handed to it (vLLM drops it otherwise, with a warning).
+        self.tracing = False
 
     async def start(self) -> None:
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -248,17 +303,21 @@ class Engine:
             args = parser.parse_args(without_unknown_newer_flags(argv, parser))
         except SystemExit as exc:
             raise EngineError(f"vLLM refused the engine options {self._argv!r}") from exc
-        # vLLM's Prometheus logger, alone: engine metrics (running/waiting requests, KV-cache use, tokens)
-        # in the process's default registry without the periodic stats lines, which Flatfare turns off
-        # (disable_log_stats). Passing it as a custom logger keeps vLLM from adding its logging one.
-        stat_loggers = None
+        # vLLM's Prometheus logger: engine metrics (running/waiting requests, KV-cache use, tokens) in the
+        # process's default registry without the periodic stats lines, which Flatfare turns off
+        # (disable_log_stats). Passing it as a custom logger keeps vLLM from adding its logging one. The pace
+        # logger feeds the worker's pace governor (with it, vLLM exports its metrics whatever engine_metrics).
+        stat_loggers = []
+        if self._pace is True or (self._pace is None and current_platform.device_type != "cpu"):
+            stat_loggers.append(self.pace.logger())
         if self._engine_metrics:
-            stat_loggers = [_first_attr([("vllm.v1.metrics.loggers", "PrometheusStatLogger")])]
+            stat_loggers.append(_first_attr([("vllm.v1.metrics.loggers", "PrometheusStatLogger")]))
         # The API server's usage context: vLLM sizes the scheduler by it (on an H200,
         # max_num_batched_tokens 8192 and max_num_seqs 1024 instead of 2048 and 128), so the worker
         # batches exactly like `vllm serve` with the same options.
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args),
-                                              usage_context=UsageContext.OPENAI_API_SERVER, stat_loggers=stat_loggers)
+                                              usage_context=UsageContext.OPENAI_API_SERVER,
+                                              stat_loggers=stat_loggers or None)
         state = State()
         await init_app_state(self._llm, state, args, await self._llm.get_supported_tasks())
         _restore_logging(logging_levels)
@@ -272,6 +331,7 @@ class Engine:
         config = self._llm.vllm_config
         self._served = _plain(config.model_config.served_model_name)
         self.lora_enabled = config.lora_config is not None
+        self.tracing = bool(getattr(getattr(config, "observability_config", None), "otlp_traces_endpoint", None))
         self.device_type = str(current_platform.device_type)
         if config.model_config.enable_sleep_mode:
             self.sleep_unavailable = ""
@@ -329,8 +389,9 @@ class Engine:
                     "model_unavailable"))
         return None
 
-    async def run(self, endpoint: Endpoint, body: dict[str, Any]) -> EngineResult:
-        """Run one OpenAI request. Cancel the task iterating ``stream`` to abort it in the engine."""
+    async def run(self, endpoint: Endpoint, body: dict[str, Any], traceparent: str = "") -> EngineResult:
+        """Run one OpenAI request. Cancel the task iterating ``stream`` to abort it in the engine.
+        ``traceparent``: the worker's span, which vLLM's own spans continue while it exports traces."""
         name = body.get("model")
         if isinstance(name, str) and name != self._served and name not in self.variants:
             failed = await self._ensure_variant(name)
@@ -355,7 +416,7 @@ class Engine:
         except ValueError as exc:
             return EngineResult(error_status=400, error=_error(400, str(exc), None))
         try:
-            result = await handler(request, None)
+            result = await handler(request, serving_request(traceparent, self.tracing))
         except self._client_errors as exc:
             return EngineResult(error_status=400, error=_error(400, str(exc), getattr(exc, "parameter", None)))
         if hasattr(result, "__aiter__"):
@@ -368,6 +429,11 @@ class Engine:
             return EngineResult(error_status=status, error=_error(status, info.message, info.param))
         # A response's text format names its schema by alias ("schema"), as vLLM's own route sends it.
         return EngineResult(body=result.model_dump_json(by_alias=endpoint is Endpoint.RESPONSES))
+
+    def pace_sample(self) -> tuple[list[float], int]:
+        """The inter-token latencies since the last call, and the fewest requests the engine's scheduler had
+        waiting meanwhile (:class:`EnginePace`)."""
+        return self.pace.take()
 
     def unfinished_requests(self) -> int:
         """Requests the engine holds (running or waiting): what a freed slot is measured by."""
@@ -386,6 +452,25 @@ class Engine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+
+
+class ServingRequest:
+    """What vLLM's serving calls read of the HTTP request ``vllm serve`` hands them (a Starlette
+    ``Request``): its headers, from which they take the W3C trace context they pass the engine as
+    ``trace_headers`` (and, when present, a request id, data-parallel rank, session and priority: Flatfare
+    sends none of these), and ``state``, where they leave the request's metadata."""
+
+    __slots__ = ("headers", "state")
+
+    def __init__(self, headers: dict[str, str]) -> None:
+        self.headers = headers
+        self.state = SimpleNamespace()
+
+
+def serving_request(traceparent: str, tracing: bool) -> ServingRequest | None:
+    """The request object for vLLM's serving call: one carrying ``traceparent`` while the engine exports
+    traces; None otherwise (vLLM's own default, as without a request)."""
+    return ServingRequest({"traceparent": traceparent}) if tracing and traceparent else None
 
 
 def _as_response_request(body: dict[str, Any]) -> None:

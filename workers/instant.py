@@ -57,7 +57,7 @@ class InstantEngine:
         await asyncio.sleep(self.wake_delay_s)
         self.asleep_level = 0
 
-    async def run(self, endpoint: Endpoint, body: dict[str, Any]) -> EngineResult:
+    async def run(self, endpoint: Endpoint, body: dict[str, Any], traceparent: str = "") -> EngineResult:
         if self.asleep_level:  # the worker loop claims nothing while asleep: fail loudly if it did
             raise EngineError("the instant engine was asked to run a request while asleep")
         count = min(self.tokens, int(body.get("max_tokens") or body.get("max_completion_tokens") or self.tokens))

@@ -12,20 +12,26 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from flatfare import contract
+from flatfare import contract, tracecontext
 from flatfare.contract import Endpoint, Job, Lane, Reply, ReplyKind, Usage, WorkerInfo, WorkerState
-from flatfare.logs import bind, prompts_enabled
+# A job claimed this soon after it was queued cannot have been cancelled yet (the rule: contract.timing).
+from flatfare.contract.timing import FRESH_JOB_MS
+from flatfare.logs import bind, log_context, prompts_enabled
 from flatfare.workers.claims import Claimed, Claimer
 from flatfare.workers.commands import Commands, SleepingEngine
 from flatfare.workers.metrics import WorkerMetrics
+from flatfare.workers.pace import PaceGovernor
 from flatfare.workers.presence import RETRY_S, Presence, listen_for_cancels, now_ms
 from flatfare.redis_conn import REDIS_DOWN, stop_if_cancelled, without_read_timeouts
+from flatfare.tracecontext import TraceContext
+from flatfare.tracing import Spans, Tracer, ms_to_ns
 from flatfare.workers.replies import BatchedGet, ReplyWriter
 
 log = logging.getLogger("flatfare.worker")
@@ -37,7 +43,8 @@ class EngineLike(SleepingEngine, Protocol):
     max_model_len: int
     max_num_seqs: int
 
-    async def run(self, endpoint: Endpoint, body: dict[str, Any]) -> Any: ...
+    # ``traceparent``: the worker's span for the job (flatfare.tracecontext), for an engine that traces.
+    async def run(self, endpoint: Endpoint, body: dict[str, Any], traceparent: str = "") -> Any: ...
 
     def unfinished_requests(self) -> int: ...
 
@@ -48,10 +55,6 @@ class EngineLike(SleepingEngine, Protocol):
 
 
 PREFIX_TTL_S = 300
-# A job claimed this soon after it was queued cannot have been cancelled yet: a gateway starts
-# watching for its client only after 50 ms without a reply (flatfare.gateway.openai.service.WATCH_AFTER_S). Such
-# jobs skip the cancellation check, a round trip on the path of every fast request.
-FRESH_JOB_MS = 20
 # How long the drain waits for the jobs it cancelled to end before it hands them back regardless.
 CANCEL_WAIT_S = 5.0
 # How long a claim waits for new work while batch lines are held back for the jobs this worker runs.
@@ -83,8 +86,12 @@ class WorkerLoop:
                  drain_timeout_s: float = 30.0, metrics: WorkerMetrics | None = None,
                  lease_s: float = contract.DEFAULT_LEASE_S, presence: Presence | None = None,
                  premium_reserve: int = 0, batch_reserve: int | None = None,
-                 batch_slots: int | None = None, batch_while_live: int | None = None) -> None:
+                 batch_slots: int | None = None, batch_while_live: int | None = None,
+                 governor: PaceGovernor | None = None, tracer: Tracer | None = None) -> None:
         self.redis = redis
+        # Flatfare's spans (flatfare.tracing; None: off): each job's, under the gateway's span it carries.
+        self.tracer = tracer
+        self.spans: dict[str, Spans] = {}
         # Batch lines held at most at once, and while a live job runs (None: no bound beyond the
         # reserve). 1 and 0 on a CPU engine: there a batch line in the engine's batch slows the live
         # jobs' every step (flatfare.workers.settings).
@@ -96,6 +103,9 @@ class WorkerLoop:
         # Slots the standard lane may not fill: under a standard backlog a premium job still finds
         # one free (and vLLM's priority scheduling runs it first), instead of waiting for one to end.
         self.premium_reserve = premium_reserve
+        # Holds the engine's pace under a standard backlog by limiting the standard jobs and batch lines
+        # running at once (flatfare.workers.pace); None: only the reserve and the capacity bound them.
+        self.governor = governor
         self.engine = engine
         self.info = info
         self.drain_timeout_s = drain_timeout_s
@@ -113,7 +123,11 @@ class WorkerLoop:
         # request id -> (stream, entry id, job) of each job held, for acks, renewals, hand-backs and
         # HELD replies.
         self.entries: dict[str, tuple[str, bytes, Job]] = {}
+        # request id -> the worker's span for each job held (its log lines' trace_id and span_id).
+        self.traces: dict[str, TraceContext] = {}
         self._handed_back: set[str] = set()
+        # Jobs whose entries are being acknowledged as they end: gone from Redis, still in ``entries``.
+        self._acking: set[str] = set()
         self._slot_freed = asyncio.Event()
         self._stopping = asyncio.Event()
         # Cleared while told to sleep (flatfare.workers.commands): no claims, no takeovers. The claim
@@ -136,6 +150,8 @@ class WorkerLoop:
                       asyncio.create_task(self._renew_leases(), name="leases"),
                       asyncio.create_task(self._take_over(), name="takeover"),
                       asyncio.create_task(self.commands.follow(), name="commands")]
+        if self.governor is not None:
+            background.append(asyncio.create_task(self._govern(), name="governor"))
         try:
             await self._claim_loop()
             await self.presence.set_state(WorkerState.DRAINING)
@@ -177,6 +193,8 @@ class WorkerLoop:
     def _refresh(self, info: WorkerInfo) -> None:
         info.inflight = len(self.inflight)
         info.extra["engine_unfinished"] = self.engine.unfinished_requests()
+        if self.governor is not None:
+            info.extra["governor"] = self.governor.state()
 
     async def _drain(self) -> None:
         if not self.inflight:
@@ -214,23 +232,51 @@ class WorkerLoop:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
-            standard = sum(1 for _, _, job in self.entries.values() if job.lane is Lane.STANDARD)
+            standard, batch = self._running(Lane.STANDARD), self._running(Lane.BATCH)
             standard_free = min(free, max(self.info.capacity - self.premium_reserve - standard, 0))
             unbounded = batch_free = max(free - self.batch_reserve, 0)
-            batch = sum(1 for _, _, job in self.entries.values() if job.lane is Lane.BATCH)
+            if self.governor is not None:  # a limit for standard jobs, an allowance for batch lines beside them
+                standard_free = min(standard_free, max(self.governor.limit - standard, 0))
+                batch_free = min(batch_free, max(self.governor.batch_limit - batch, 0))
             if self.batch_slots is not None:
                 batch_free = min(batch_free, max(self.batch_slots - batch, 0))
             if self.batch_while_live is not None and len(self.entries) > batch:  # live jobs run
                 batch_free = min(batch_free, max(self.batch_while_live - batch, 0))
-            # Batch lines held back for jobs this worker runs: a short wait, so that the batch resumes
-            # soon after one of them ends (nothing wakes the claim then).
-            block_ms = HELD_BACK_BLOCK_MS if batch_free < unbounded and self.entries else 1000
+            # Work held back while this worker runs jobs (batch lines, or standard jobs past the governed
+            # limit): a short wait, so that it resumes soon after one of them ends (nothing wakes the claim
+            # then; a premium job's admission does, at once).
+            held_back = batch_free < unbounded or standard_free < min(free, max(
+                self.info.capacity - self.premium_reserve - standard, 0))
+            block_ms = HELD_BACK_BLOCK_MS if held_back and self.entries else 1000
             try:
                 claimed = await self.claimer.claim(free, block_ms, standard_free=standard_free, batch_free=batch_free)
             except REDIS_DOWN as exc:
                 await self._redis_failed(exc)
                 continue
             self._start_all(claimed)
+
+    def _running(self, lane: Lane) -> int:
+        return sum(1 for _, _, job in self.entries.values() if job.lane is lane)
+
+    async def _govern(self) -> None:
+        """Every window: the engine's pace against the governor's target, and whether work waits: in the
+        pool's live lanes (one MGET of their queued counters), or in the engine's own queue all window long."""
+        assert self.governor is not None
+        keys = [contract.queued_key(self.pool, lane) for lane in contract.LIVE_LANES]
+        sample = getattr(self.engine, "pace_sample", None)
+        while True:
+            await asyncio.sleep(self.governor.window_s)
+            engine_waiting = 0
+            if sample is not None:  # the engine times its own steps; else the streams' outputs do
+                gaps, engine_waiting = sample()
+                self.governor.record(gaps)
+            try:
+                queued = sum(int(v or 0) for v in await self.redis.mget(keys))
+            except REDIS_DOWN:
+                stop_if_cancelled()
+                continue
+            self.governor.tick(time.monotonic(), self._running(Lane.STANDARD), queued > 0 or engine_waiting > 0,
+                               self._running(Lane.BATCH))
 
     async def _redis_failed(self, exc: Exception) -> None:
         """Claiming failed: wait for Redis and try again (the engine stays warm). A Redis that lost its
@@ -262,15 +308,42 @@ class WorkerLoop:
             self.metrics.taken((batch.lane or job.lane).value, job.enqueued_ms)
         self.info.last_used_ms = now_ms()  # its fleet puts the least recently used engine to sleep first
         self.entries[job.request_id] = (batch.stream, entry_id, job)
-        task = asyncio.create_task(self._handle(batch.stream, entry_id, job, batch.reclaimed), name=job.request_id)
+        # A span of the worker's under the gateway's (a new trace for a job from an older gateway).
+        trace = self.traces[job.request_id] = self._trace(batch, job)
+        task = asyncio.create_task(self._handle(batch.stream, entry_id, job, batch.reclaimed, trace),
+                                   name=job.request_id)
         self.inflight[job.request_id] = task
         task.add_done_callback(lambda _t, rid=job.request_id: self._finished(rid))
+
+    def _trace(self, batch: Claimed, job: Job) -> TraceContext:
+        """The job's trace context here. Traced, its spans: the wait in the lane (from the gateway's enqueue
+        to this claim, beside the job's span) and the job's, from its claim to its end."""
+        if self.tracer is None:
+            return tracecontext.continue_or_start(job.traceparent)
+        fields = {"flatfare.request_id": job.request_id, "flatfare.lane": (batch.lane or job.lane).value,
+                  "flatfare.model": self.info.model, "flatfare.worker_id": self.info.worker_id}
+        trace, spans = self.tracer.start("job", job.traceparent, kind="consumer", **fields,
+                                         **{"flatfare.reclaimed": batch.reclaimed})
+        if spans is None:
+            return trace
+        self.spans[job.request_id] = spans
+        # Beside the job's span, under the gateway's; under the job's for a job that came without a trace
+        # (one sampling decision either way: the parent is sampled).
+        parent = job.traceparent if tracecontext.parse(job.traceparent) else trace.header()
+        _, waited = self.tracer.start("lane wait", parent, start_ns=ms_to_ns(job.enqueued_ms), **fields)
+        if waited is not None:
+            waited.finish()
+        return trace
 
     def _finished(self, request_id: str) -> None:
         self.info.last_used_ms = now_ms()
         self.inflight.pop(request_id, None)
         self.entries.pop(request_id, None)
+        self.traces.pop(request_id, None)
+        if self.spans and (spans := self.spans.pop(request_id, None)) is not None:
+            spans.finish()
         self._handed_back.discard(request_id)
+        self._acking.discard(request_id)
         self._slot_freed.set()
         if not self.inflight:
             self.presence.soon()
@@ -294,14 +367,16 @@ class WorkerLoop:
 
     def _still_holding(self, lost: set[tuple[str, bytes]]) -> int:
         """Jobs whose queue entries Redis lost with its data run on here, but nothing in Redis says
-        so any more: tell each one's gateway (a HELD reply), so it does not answer them as lost."""
+        so any more: tell each one's gateway (a HELD reply), so it does not answer them as lost. A job
+        acknowledged (its entry deleted) while the renewal was on its way is ending, not lost."""
         orphans = 0
         for stream, entry_id, job in list(self.entries.values()):
-            if (stream, entry_id) in lost:
+            if (stream, entry_id) in lost and job.request_id not in self._acking:
                 self.replies.send(job, Reply(ReplyKind.HELD), first=True)
                 orphans += 1
         if orphans:
-            log.warning("%d jobs run on whose queue entries Redis lost", orphans)
+            log.warning("%d running jobs' queue entries are gone from Redis (it lost its data?): their gateways "
+                        "are told they still run", orphans)
         return orphans
 
     async def _take_over(self) -> None:
@@ -324,13 +399,16 @@ class WorkerLoop:
     def _cancel(self, request_id: str) -> None:
         task = self.inflight.get(request_id)
         if task is not None:
-            log.info("aborting %s: its client went away", request_id)
+            trace = self.traces.get(request_id)
+            # Written by the cancel listener, not the job's task: the job's fields are given here.
+            with log_context(request_id=request_id, model=self.info.model, **(trace.log_fields() if trace else {})):
+                log.info("aborting %s: its client went away", request_id)
             task.cancel()
 
     # -- one job -----------------------------------------------------------------------------
 
-    async def _handle(self, stream: str, entry_id: bytes, job: Job, reclaimed: bool) -> None:
-        bind(request_id=job.request_id, model=self.info.model)  # this task's log lines
+    async def _handle(self, stream: str, entry_id: bytes, job: Job, reclaimed: bool, trace: TraceContext) -> None:
+        bind(request_id=job.request_id, model=self.info.model, **trace.log_fields())  # this task's log lines
         try:
             try:
                 checks = await self._checks(job, reclaimed)
@@ -357,7 +435,7 @@ class WorkerLoop:
                 return
             if job.prefix:
                 await self._own_prefix(job.prefix)
-            await self._run(job, now_ms())
+            await self._run(job, now_ms(), trace)
         except asyncio.CancelledError:
             # The client went away, or the drain timed out and the job is handed back: the engine
             # request is aborted by closing its generator.
@@ -370,6 +448,7 @@ class WorkerLoop:
                                               "worker_error"))
         finally:
             if job.request_id not in self._handed_back:
+                self._acking.add(job.request_id)
                 await asyncio.shield(self.replies.ack(stream, entry_id, job.request_id))
 
     async def _checks(self, job: Job, reclaimed: bool) -> _Checks:
@@ -390,7 +469,7 @@ class WorkerLoop:
         with contextlib.suppress(*REDIS_DOWN):
             await self.redis.set(contract.prefix_key(self.pool, prefix), self.info.worker_id, ex=PREFIX_TTL_S)
 
-    async def _run(self, job: Job, started_ms: int) -> None:
+    async def _run(self, job: Job, started_ms: int, trace: TraceContext) -> None:
         body = json.loads(job.body)
         if prompts_enabled():  # FLATFARE_LOG_PROMPTS: customers' data, off unless switched on
             log.info("prompt of %s", job.request_id, extra={"prompt": body.get("messages", body.get("prompt"))})
@@ -402,7 +481,11 @@ class WorkerLoop:
             wants_usage = bool(options.get("include_usage"))
             # Always ask for usage so the ledger gets token counts; drop the chunk if not asked.
             body["stream_options"] = {**options, "include_usage": True}
-        result = await self.engine.run(job.endpoint, body)
+        # The engine's own spans (vLLM's OTLP export, when switched on) continue the worker's.
+        spans = self.spans.get(job.request_id) if self.spans else None
+        if spans is not None:  # ends with the job's span (its last reply written)
+            spans.begin("engine run")
+        result = await self.engine.run(job.endpoint, body, traceparent=trace.header())
         if result.error is not None:
             await self._reply(job, Reply(ReplyKind.ERROR, json.dumps(result.error), status=result.error_status,
                                          started_ms=started_ms))
@@ -419,8 +502,12 @@ class WorkerLoop:
     async def _stream(self, stream: Any, job: Job, wants_usage: bool, started_ms: int) -> None:
         usage: Usage | None = None
         first_token_ms = 0
+        # The streams' outputs time the pace only for an engine that does not time it itself.
+        governor = self.governor if not hasattr(self.engine, "pace_sample") else None
         try:
             async for event in stream:
+                if governor is not None:
+                    governor.token(job.request_id, time.monotonic())
                 for line in event.split("\n\n"):
                     if not line:
                         continue
@@ -441,6 +528,8 @@ class WorkerLoop:
                     await self._reply(job, Reply(ReplyKind.CHUNK, payload, started_ms=started_ms if first else 0),
                                       first=first)
         finally:
+            if governor is not None:
+                governor.end(job.request_id)
             await stream.aclose()
         await self._reply(job, Reply(ReplyKind.END, usage=usage, started_ms=started_ms,
                                      first_token_ms=first_token_ms))
@@ -452,6 +541,16 @@ class WorkerLoop:
         await self.replies.send_and_wait(job, reply)
         if self.metrics is not None:
             self.metrics.replied(reply)
+        if self.spans and (spans := self.spans.get(job.request_id)) is not None:
+            spans.note(**{"http.response.status_code": reply.status})
+        if log.isEnabledFor(logging.INFO):
+            # One line per job answered, as the gateway writes one per request: where its time went here.
+            done_ms = now_ms()
+            started = reply.started_ms
+            log.info("answered %s: %d", job.request_id, reply.status, extra={
+                "lane": job.lane.value, "status": reply.status,
+                "queue_ms": started - job.enqueued_ms if started else done_ms - job.enqueued_ms,
+                "run_ms": done_ms - started if started else 0})
 
     def _ended_without_reply(self, outcome: str) -> None:
         if self.metrics is not None:

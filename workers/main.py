@@ -19,7 +19,7 @@ import uvloop
 from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 
-from flatfare import contract
+from flatfare import contract, tracing
 from flatfare.contract import ModelFacts, WorkerInfo, WorkerState, pool_name
 from flatfare.logs import configure_logging, dict_config
 from flatfare.redis_conn import REDIS_DOWN, connect
@@ -31,6 +31,7 @@ from flatfare.workers.loop import EngineLike, WorkerLoop
 from flatfare.workers.phases import PREPARING, STARTING_ENGINE, StartProgress, with_phase_log
 from flatfare.workers.presence import Presence, now_ms
 from flatfare.workers.metrics import WorkerMetrics
+from flatfare.workers.pace import PaceGovernor
 from flatfare.workers.prepare import resolve_source
 from flatfare.workers.settings import WorkerSettings
 from flatfare.workers.tokenizer import keep_published, publish_tokenizer, tokenizer_json
@@ -41,6 +42,8 @@ log = logging.getLogger("flatfare.worker")
 # Options every Flatfare worker gets unless the catalog or the command line says otherwise:
 # priority scheduling, so the premium lane's requests also win inside the running batch.
 _BASE_OPTIONS: dict[str, Any] = {"disable_log_stats": True, "scheduling_policy": "priority"}
+# The pace governor's factor on an accelerator (WorkerSettings.pace_slack).
+DEFAULT_PACE_SLACK = 1.3
 
 
 class StartedEngine(EngineLike, Protocol):
@@ -112,7 +115,8 @@ async def build_engine(settings: WorkerSettings, progress: Callable[[str], None]
         if spec.options.get("enable_lora") else None
     engine = Engine(engine_argv(model_path, spec.name, spec.options), engine_metrics=settings.engine_metrics,
                     logging_config=logging_config, sleep_mode=settings.sleep_mode,
-                    variants=variants.adapter if variants is not None else None)
+                    variants=variants.adapter if variants is not None else None,
+                    pace=None if settings.pace_slack < 0 else settings.pace_slack > 0)
     await engine.start()
     if variants is not None:
         await load_variants(engine, variants, progress)
@@ -195,14 +199,22 @@ async def serve(settings: WorkerSettings, progress: Callable[[str], None] = log.
     on_cpu = getattr(engine, "device_type", "") == "cpu"
     batch_slots = settings.batch_slots if settings.batch_slots >= 0 else (1 if on_cpu else None)
     batch_while_live = settings.batch_while_live if settings.batch_while_live >= 0 else (0 if on_cpu else None)
+    reserve = min(reserve, capacity - 1)
+    # By device: an accelerator's engine (not the CPU's, nor the instant engine, which has no pace).
+    on_accelerator = getattr(engine, "device_type", "") not in ("", "cpu")
+    slack = settings.pace_slack if settings.pace_slack >= 0 else (DEFAULT_PACE_SLACK if on_accelerator else 0.0)
+    governor = PaceGovernor(ceiling=capacity - reserve, slack=slack,
+                            floor=settings.pace_floor or max(capacity // 64, 4)) if slack > 0 else None
     loop = WorkerLoop(redis, engine, info, drain_timeout_s=settings.drain_timeout_s, metrics=metrics,
-                      lease_s=settings.job_lease_s, presence=presence, premium_reserve=min(reserve, capacity - 1),
-                      batch_slots=batch_slots, batch_while_live=batch_while_live)
+                      lease_s=settings.job_lease_s, presence=presence, premium_reserve=reserve,
+                      batch_slots=batch_slots, batch_while_live=batch_while_live, governor=governor,
+                      tracer=tracing.tracer("flatfare-worker", settings.traces_endpoint, settings.traces_sample_ratio))
     metrics.watch(lambda: len(loop.inflight), capacity, lambda: loop.draining)
     running = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         running.add_signal_handler(sig, loop.stop)
-    progress(f"worker {info.worker_id} serving {model} (capacity {capacity})")
+    progress(f"worker {info.worker_id} serving {model} (capacity {capacity}"
+             + (f", pace governed within {slack:g}x)" if governor is not None else ")"))
     try:
         await loop.run()
     finally:
@@ -212,6 +224,8 @@ async def serve(settings: WorkerSettings, progress: Callable[[str], None] = log.
         await redis.aclose()
         engine.shutdown()
         metrics.close()
+        if loop.tracer is not None:
+            loop.tracer.shutdown()
 
 
 def main(settings: WorkerSettings) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from flatfare.contract import Reply, ReplyKind
+from flatfare.loop_tasks import EventLoopTasks
 
 QUEUE_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -54,6 +55,7 @@ class WorkerMetrics:
         self.draining = Gauge("flatfare_worker_draining", "1 while the worker finishes its jobs before exiting.",
                               ["model"], registry=r)
         self._server: Any = None
+        self._tasks: EventLoopTasks | None = None
 
     def watch(self, inflight: Callable[[], int], capacity: int, draining: Callable[[], bool]) -> None:
         """Read the worker loop's state at each scrape."""
@@ -83,12 +85,19 @@ class WorkerMetrics:
         self.jobs.labels(self.model, outcome).inc()
 
     def serve(self, host: str, port: int) -> int:
-        """Serve ``/metrics`` on ``host:port`` (0: any free port) in a thread; returns the port."""
+        """Serve ``/metrics`` on ``host:port`` (0: any free port) in a thread; returns the port. Called on
+        the worker's event loop, whose tasks it reports too."""
+        if self._tasks is None:
+            self._tasks = EventLoopTasks.of_running_loop()
+            self.registry.register(self._tasks)
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
         self._server = server
         return int(server.server_port)
 
     def close(self) -> None:
+        if self._tasks is not None:
+            self.registry.unregister(self._tasks)
+            self._tasks = None
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

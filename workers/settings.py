@@ -54,10 +54,16 @@ class WorkerSettings(CommonSettings):
     # slots kept for live requests.
     batch_slots: int = -1
     batch_while_live: int = -1
+    # The pace governor (flatfare.workers.pace): under a standard backlog, standard jobs and batch lines
+    # running at once are limited so that the engine's time per output token stays within this factor of
+    # its pace while it keeps up with its demand. 0: off; -1: by device (1.3 on an accelerator, where a
+    # full batch slows every stream, premium's too; off on the CPU, whose capacity is a handful of jobs).
+    pace_slack: float = -1.0
+    # The least the governed limit may be (0: a sixty-fourth of the capacity, at least 4), so the standard
+    # lane always moves.
+    pace_floor: int = 0
     # On SIGTERM, how long running jobs may take to finish before they are handed back.
     drain_timeout_s: float = 30.0
-    # A job this worker holds but stops renewing (it died) is taken over after this long.
-    job_lease_s: float = 15.0
     # Prometheus /metrics of this worker. Port 0: any free port (logged, and announced in the worker's
     # heartbeat as extra.metrics_port), so several workers on one host never clash; -1: off.
     # Containers set a fixed port (deploy/ uses 9400) and host 0.0.0.0.

@@ -14,6 +14,7 @@ COPY flatfare ./flatfare
 COPY gateway ./gateway
 COPY workers ./workers
 COPY billing ./billing
+COPY fleet ./fleet
 COPY migrations ./migrations
 RUN pip wheel --no-deps --wheel-dir /wheels .
 

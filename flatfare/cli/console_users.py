@@ -26,7 +26,8 @@ def create(
     """Create a console user (confirmed) and print their id."""
     from flatfare.gateway.console.users import ConsoleUserError, check_new_password, create_user, normalize_email
     from flatfare.gateway.settings import GatewaySettings
-    from flatfare.storage.accounts import AccountError, ensure_account
+    from flatfare.storage.accounts import AccountError
+    from flatfare.billing.plan_change import ensure_account
     from flatfare.storage.db import one_session
 
     settings = GatewaySettings()

@@ -45,13 +45,22 @@ def up(
         "cores, else 2.")] = None,
     idle_timeout: Annotated[float | None, typer.Option(
         min=1, help="Seconds an on-demand model's engine may sit idle before it stops (default 300).")] = None,
+    payments: Annotated[str, typer.Option(
+        help="'local': a Stripe stand-in on this machine (localstripe and a test Checkout page), to buy a plan "
+        "in the console with a test card; 'none': billing is off.")] = "none",
+    traces: Annotated[bool, typer.Option(
+        "--traces", help="Send every request's spans over OTLP/HTTP to a collector on this machine "
+        "(127.0.0.1:4318 unless FLATFARE_TRACES_ENDPOINT says otherwise); starts none: prints how.")] = False,
 ) -> None:
     """Start the whole platform locally: Redis, migrations, a fleet supervisor that starts the models'
     CPU workers (the first at once, the others at their first request) and the gateway."""
     from flatfare.cli.up import UpOptions, run_up
 
+    if payments not in ("none", "local"):
+        _fail(f"--payments is 'none' or 'local', not {payments!r}")
     sys.exit(run_up(UpOptions(models=model, port=port, on_demand=on_demand, max_awake=max_awake,
-                              idle_timeout_s=idle_timeout)))
+                              idle_timeout_s=idle_timeout, payments=payments,
+                              traces=traces)))
 
 
 @app.command()
@@ -89,7 +98,8 @@ def gateway(
 
     uvicorn.run("flatfare.gateway.app:create_app", factory=True, host=settings.host, port=settings.port,
                 workers=processes, log_level=settings.log_level, access_log=False, log_config=None,
-                proxy_headers=True, forwarded_allow_ips=settings.forwarded_allow_ips)
+                proxy_headers=True, forwarded_allow_ips=settings.forwarded_allow_ips,
+                timeout_keep_alive=settings.keep_alive_s)
 
 
 def granian_gateway_app() -> Any:
@@ -198,7 +208,8 @@ def keys_create(
     max_inflight: MaxInflightOption = None,
 ) -> None:
     """Create an API key and print it, alone, on stdout."""
-    from flatfare.storage.accounts import AccountError, KeyLimitsUpdate, create_key
+    from flatfare.storage.accounts import AccountError, KeyLimitsUpdate
+    from flatfare.cli.keys import create_key
 
     limits = KeyLimitsUpdate(expires_at=_expiry(expires) if expires else None, allowed_models=_models(model),
                              daily_limit=daily_limit, max_inflight=max_inflight)

@@ -4,7 +4,9 @@ A SQLite file and (unless FLATFARE_REDIS_URL is set) a private redis-server, bot
 folder; migrations; a fleet supervisor (``flatfare fleet``) serving the models on vLLM's CPU backend
 (by default both built-in models, prepared from their PyPI wheels once); the gateway on 127.0.0.1.
 The first model starts at once and the key is printed when it is warm; the others start at their
-first request (the catalog's pinned models stay up unless ``--on-demand``). Ctrl-C stops all of it.
+first request (the catalog's pinned models stay up unless ``--on-demand``). With ``--payments local``,
+a Stripe stand-in too (localstripe and a Checkout page: :mod:`flatfare.cli.local_payments`), so a plan
+can be bought in the console; without it billing is off. Ctrl-C stops all of it.
 Each child's output goes to ``<data>/logs``; the fleet's workers log to ``worker-<model>-<n>.log``.
 """
 
@@ -26,7 +28,8 @@ from rich.console import Console
 from flatfare import contract
 from flatfare.redis_local import LocalRedis
 from flatfare.settings import CommonSettings
-from flatfare.storage.accounts import create_key
+from flatfare.cli.keys import create_key
+from flatfare.cli.local_payments import LocalPayments, LocalPaymentsError, sellable_plans
 from flatfare.storage.db import migrate
 
 console = Console(stderr=True)
@@ -65,6 +68,28 @@ def _child_env(settings: CommonSettings, redis_url: str) -> dict[str, str]:
     return env
 
 
+# Where `flatfare up --traces` sends spans unless FLATFARE_TRACES_ENDPOINT is set: an OTLP/HTTP collector
+# on this machine, e.g. Jaeger's all-in-one image.
+LOCAL_COLLECTOR = "http://127.0.0.1:4318"
+
+
+def traces_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with every request traced to the local collector, unless the person chose an endpoint or a
+    ratio already."""
+    return {**env, "FLATFARE_TRACES_ENDPOINT": env.get("FLATFARE_TRACES_ENDPOINT") or LOCAL_COLLECTOR,
+            "FLATFARE_TRACES_SAMPLE_RATIO": env.get("FLATFARE_TRACES_SAMPLE_RATIO") or "1"}
+
+
+def traces_help(env: dict[str, str]) -> str:
+    """What `flatfare up --traces` says: where the spans go and how to run a collector that shows them."""
+    endpoint = env["FLATFARE_TRACES_ENDPOINT"]
+    return (f"Traces: every process sends its spans (ratio {env['FLATFARE_TRACES_SAMPLE_RATIO']}) over OTLP/HTTP to "
+            f"{endpoint}. Nothing is started for them; to see them, run a collector there, e.g. Jaeger:\n"
+            "  docker run --rm -p 16686:16686 -p 4318:4318 jaegertracing/all-in-one:latest\n"
+            "and open http://127.0.0.1:16686 (service flatfare-gateway). Spans sent while none listens are "
+            "dropped.")
+
+
 def _spawn(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = log_path.open("ab")
@@ -86,10 +111,15 @@ def _stop(process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
 class UpOptions:
     models: list[str] | None = None
     port: int = 8000
+    # "local": a Stripe stand-in on this machine (flatfare/cli/local_payments.py), so plans can be bought
+    # in the console with a test card; "none": billing is off, as without Stripe settings.
+    payments: str = "none"
     # No model kept up, the catalog's pinned ones included: a small machine runs one engine at a time.
     on_demand: bool = False
     max_awake: int | None = None
     idle_timeout_s: float | None = None
+    # The processes' spans to a local OTLP/HTTP collector (traces_env); `up` starts none (traces_help).
+    traces: bool = False
 
     def fleet_args(self, models: list[str]) -> list[str]:
         """`flatfare fleet`'s options: these models, the first started at once. Unless on demand, as
@@ -159,7 +189,16 @@ def _news(fleet: contract.FleetStatus | None, seen_ms: int) -> tuple[list[str], 
             max((d["t"] for d in fresh), default=seen_ms))
 
 
-def _examples(base_url: str, key: str, models: list[str]) -> str:
+def payments_line(payments: str, base_url: str) -> str:
+    """What `flatfare up` says about payments once ready."""
+    if payments == "local":
+        return (f"Payments: a local Stripe stand-in. Buy a plan at {base_url}/console/billing: its checkout takes a "
+                "test card and charges nothing; Stripe's webhook changes the plan as it would in production.")
+    return ("Payments: off (billing is not configured: the console says so, plans change through an admin). "
+            "`flatfare up --payments local` starts a local Stripe stand-in to try buying a plan.")
+
+
+def _examples(base_url: str, key: str, models: list[str], payments: str = "none") -> str:
     model = models[0]
     later = ", ".join(models[1:])
     on_demand = (f"\n{later}: started at its first request, which waits for it (`flatfare fleet status` shows "
@@ -179,6 +218,7 @@ Python (pip install openai):
 Models and what each can do: curl {base_url}/v1/models -H "Authorization: Bearer {key}"
 Prometheus metrics: {base_url}/metrics
 Web console: {base_url}/console (sign up, keys, playground; admins log in with `flatfare admin bootstrap`'s token)
+{payments_line(payments, base_url)}
 
 Press Ctrl-C to stop.
 """
@@ -218,6 +258,7 @@ def run_up(options: UpOptions) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     client: redis_sync.Redis | None = None
+    payments: LocalPayments | None = None
     try:
         with console.status("starting") as status:
             redis_url = settings.redis_url
@@ -238,12 +279,27 @@ def run_up(options: UpOptions) -> int:
                 resolve_source(f"builtin:{first}", settings.models_dir,
                                lambda msg: status.update(f"preparing {first}: {msg}"))
             env = {**_child_env(settings, redis_url), "FLATFARE_FLEET_ID": FLEET_ID}
+            if options.traces:
+                env = traces_env(env)
+                console.print(traces_help(env), soft_wrap=True, highlight=False)
+            base_url = f"http://127.0.0.1:{options.port}"
+            if options.payments == "local":
+                status.update("starting the local Stripe stand-in")
+                try:
+                    plans = asyncio.run(sellable_plans(settings.resolved_database_url))
+                    payments = LocalPayments(plans).start(logs / "localstripe.log")
+                except LocalPaymentsError as exc:
+                    console.print(f"[red]{exc}[/]", soft_wrap=True, highlight=False)
+                    return 1
+                # Checkout sends the buyer back to the public URL: this gateway's.
+                env = {**env, **payments.gateway_env(), "FLATFARE_PUBLIC_URL": env.get("FLATFARE_PUBLIC_URL", base_url)}
             flatfare = [sys.executable, "-m", "flatfare"]
             children.append(("fleet", _spawn([*flatfare, "fleet", *options.fleet_args(models)], env,
                                              logs / "fleet.log")))
             children.append(("gateway", _spawn([*flatfare, "gateway", "--port", str(options.port)], env,
                                                logs / "gateway.log")))
-            base_url = f"http://127.0.0.1:{options.port}"
+            if payments is not None:
+                payments.configure(base_url)  # its webhooks, signed, to this gateway
             deadline = time.monotonic() + READY_TIMEOUT_S
             last_start_s = _start_time(client, first)
             while True:
@@ -283,7 +339,7 @@ def run_up(options: UpOptions) -> int:
         key = asyncio.run(create_key(settings.resolved_database_url, LOCAL_ACCOUNT, LOCAL_PLAN, "flatfare up"))
         console.print(f"ready in {time.monotonic() - started:.1f} s")
         # soft_wrap: long lines stay whole so they copy-paste as printed.
-        console.print(_examples(base_url, key, models), soft_wrap=True, highlight=False)
+        console.print(_examples(base_url, key, models, options.payments), soft_wrap=True, highlight=False)
         gateway_log = logs / "gateway.log"
         mail_offset = gateway_log.stat().st_size if gateway_log.exists() else 0
         seen_ms = int(time.time() * 1000)
@@ -310,6 +366,8 @@ def run_up(options: UpOptions) -> int:
         with console.status("stopping"):
             for name, child in reversed(children):
                 _stop(child, FLEET_STOP_TIMEOUT_S if name == "fleet" else 30.0)
+            if payments is not None:
+                payments.stop()
             if client is not None:
                 client.close()
             if local_redis is not None:

@@ -1,4 +1,5 @@
-"""Accounts and their keys: the operations the CLI (and later the admin API) share."""
+"""Accounts' keys and admin tokens: issued, found, changed, revoked, rotated, as the CLI, the admin API and
+the console share them. (An account's plan changes through :mod:`flatfare.billing.plan_change` only.)"""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from flatfare.storage.db import one_session
 from flatfare.storage.keys import ADMIN_PREFIX, hash_key, looks_like_key, new_key, visible_prefix
-from flatfare.storage.models import Account, AdminToken, ApiKey, Plan
+from flatfare.storage.models import Account, AccountMember, AdminToken, ApiKey, ConsoleUser
 
 
 class AccountError(Exception):
@@ -25,26 +26,6 @@ class IssuedKey:
     account_id: int
     key_id: int
     secret: str
-
-
-async def ensure_account(session: AsyncSession, name: str, plan: str | None = None) -> Account:
-    """The account called ``name``, created on ``plan`` (default ``free``) if it does not exist."""
-    plan_row = await session.get(Plan, plan or "free")
-    if plan_row is None:
-        known = ", ".join(sorted(await session.scalars(select(Plan.name))))
-        raise AccountError(f"unknown plan {plan!r}; the plans are: {known}")
-    account = await session.scalar(select(Account).where(Account.name == name))
-    if account is None:
-        account = Account(name=name, plan=plan_row.name, status="active")
-        session.add(account)
-    elif plan is not None and account.plan != plan:
-        account.plan = plan
-    else:
-        return account
-    # A trial runs from the moment the account is put on it.
-    account.trial_ends_at = (datetime.now(UTC) + timedelta(days=plan_row.trial_days)) if plan_row.trial_days else None
-    await session.flush()
-    return account
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,11 +47,12 @@ class KeyLimitsUpdate:
 
 
 async def issue_key(session: AsyncSession, account: Account, name: str = "",
-                    limits: KeyLimitsUpdate | None = None) -> IssuedKey:
-    """Create a key for ``account`` (with its own ``limits``, if any); the secret is returned here and
-    stored nowhere."""
+                    limits: KeyLimitsUpdate | None = None, created_by_user_id: int | None = None) -> IssuedKey:
+    """Create a key for ``account`` (with its own ``limits``, if any; made by console user
+    ``created_by_user_id``, None for an operator); the secret is returned here and stored nowhere."""
     secret = new_key()
-    key = ApiKey(account_id=account.id, name=name, prefix=visible_prefix(secret), key_hash=hash_key(secret))
+    key = ApiKey(account_id=account.id, name=name, prefix=visible_prefix(secret), key_hash=hash_key(secret),
+                 created_by_user_id=created_by_user_id)
     if limits is not None:
         limits.apply(key)
     session.add(key)
@@ -78,14 +60,26 @@ async def issue_key(session: AsyncSession, account: Account, name: str = "",
     return IssuedKey(account_id=account.id, key_id=key.id, secret=secret)
 
 
-async def create_key(database_url: str, account: str, plan: str | None = None, name: str = "",
-                     limits: KeyLimitsUpdate | None = None) -> str:
-    """Issue a key to the account called ``account`` (created on ``plan`` if it does not exist, see
-    :func:`ensure_account`) in a session of its own, and commit; the secret."""
-    async with one_session(database_url) as session:
-        issued = await issue_key(session, await ensure_account(session, account, plan), name, limits)
-        await session.commit()
-        return issued.secret
+def revoke(key: ApiKey | AdminToken, now: datetime | None = None) -> None:
+    """Refused from now on (by every gateway process within its auth cache's lifetime); a key revoked
+    already keeps its time."""
+    if key.revoked_at is None:
+        key.revoked_at = now or datetime.now(UTC)
+
+
+async def rotate(session: AsyncSession, old: ApiKey, grace: timedelta, name: str | None = None) -> IssuedKey:
+    """A new key for ``old``'s account, with its limits, its expiry (a rotation must not widen what
+    the key may do, nor make it immortal) and its maker; ``old`` keeps working for ``grace``, never
+    longer than it would have. The caller has locked ``old`` and checked it is not revoked."""
+    original_expiry = old.expires_at
+    ends = datetime.now(UTC) + grace
+    if old.expires_at is None or ends < old.expires_at:
+        old.expires_at = ends
+    account = await session.get(Account, old.account_id)
+    assert account is not None
+    return await issue_key(session, account, old.name if name is None else name, KeyLimitsUpdate(
+        allowed_models=old.allowed_models, daily_limit=old.daily_limit, max_inflight=old.max_inflight,
+        expires_at=original_expiry), created_by_user_id=old.created_by_user_id)
 
 
 async def find_key(session: AsyncSession, key: str) -> ApiKey:
@@ -147,3 +141,10 @@ async def issue_admin_token(session: AsyncSession, name: str, scopes: list[str],
     await session.flush()
     await session.refresh(token)
     return token, secret
+
+
+async def member_emails(session: AsyncSession, account_id: int, roles: list[str]) -> list[str]:
+    """The addresses of the account's members in one of ``roles`` (whom a notice goes to)."""
+    return list(await session.scalars(select(ConsoleUser.email).join(AccountMember,
+                                                                     AccountMember.user_id == ConsoleUser.id)
+                                      .where(AccountMember.account_id == account_id, AccountMember.role.in_(roles))))

@@ -7,7 +7,7 @@ from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, ForeignKey, Index, Integer, String, Text, UniqueConstraint,
-                        func)
+                        func, true)
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -37,13 +37,22 @@ class UTCDateTime(TypeDecorator[datetime]):
 
 
 class Base(DeclarativeBase):
-    type_annotation_map = {dict[str, Any]: JSON, list[str]: JSON}
+    type_annotation_map = {dict[str, Any]: JSON, list[str]: JSON, list[int]: JSON}
 
 
 class AccountStatus(StrEnum):
     ACTIVE = "active"
     SUSPENDED = "suspended"
     PAST_DUE = "past_due"
+
+
+class MemberRole(StrEnum):
+    """What a console user may do in an account (gateway/roles.py says which pages each opens)."""
+
+    OWNER = "owner"
+    ADMIN = "admin"
+    DEVELOPER = "developer"  # keys and usage
+    BILLING = "billing"  # plan and invoices only
 
 
 class RequestStatus(StrEnum):
@@ -82,6 +91,11 @@ class Plan(Base):
     # may have run or pending per quota day, apart from daily_limit (None: no cap).
     batch_discount_percent: Mapped[int] = mapped_column(Integer, default=50, server_default="50")
     batch_daily_limit: Mapped[int | None] = mapped_column(Integer)
+    # Shared-key detection (flatfare.gateway.shared_keys): a key used from more distinct client addresses
+    # in a UTC day than this is listed as shared and its owner told (None: not watched), and a key may be
+    # used from at most this many addresses at once (in the last FLATFARE_SHARED_KEYS_WINDOW_S; None: no cap).
+    shared_key_alert_addresses: Mapped[int | None] = mapped_column(Integer)
+    shared_key_max_addresses: Mapped[int | None] = mapped_column(Integer)
 
 
 class Account(Base):
@@ -127,6 +141,9 @@ class ApiKey(Base):
     daily_limit: Mapped[int | None] = mapped_column(Integer)
     # None: only the account's cap; a number caps this key's requests in flight (the lower one binds).
     max_inflight: Mapped[int | None] = mapped_column(Integer)
+    # The console user who made it (None: an operator, the admin API or the CLI). Removing that member
+    # from the account revokes it, unless the remover moves it to another member.
+    created_by_user_id: Mapped[int | None] = mapped_column(ForeignKey("console_users.id"), index=True)
 
 
 class CatalogModel(Base):
@@ -291,6 +308,37 @@ class ConsoleUser(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), server_default=func.now())
 
 
+class AccountMember(Base):
+    """A console user's membership of an account, with their role. A user's ``account_id`` is the account
+    the console acts for now; this table says which accounts they may act for, and how."""
+
+    __tablename__ = "account_members"
+
+    account_id: Mapped[int] = mapped_column(ForeignKey("accounts.id"), primary_key=True)
+    user_id: Mapped[int] = mapped_column(ForeignKey("console_users.id"), primary_key=True, index=True)
+    role: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), server_default=func.now())
+
+
+class AccountInvite(Base):
+    """An emailed invitation to join an account: only the SHA-256 of its link's token is kept; it works
+    once (``accepted_at``) and until ``expires_at``."""
+
+    __tablename__ = "account_invites"
+    __table_args__ = (Index("ix_account_invites_account_created", "account_id", "created_at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    account_id: Mapped[int] = mapped_column(ForeignKey("accounts.id"))
+    email: Mapped[str] = mapped_column(String(254))
+    role: Mapped[str] = mapped_column(String(16))
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    invited_by_user_id: Mapped[int | None] = mapped_column(ForeignKey("console_users.id"))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    accepted_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    accepted_by_user_id: Mapped[int | None] = mapped_column(ForeignKey("console_users.id"))
+
+
 class AuditEntry(Base):
     """One admin write: who, when, what, and the resource before and after."""
 
@@ -305,6 +353,8 @@ class AuditEntry(Base):
     resource_id: Mapped[str] = mapped_column(String(128))
     before: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     after: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # The account a console member's action was in (its team's activity); None for platform-wide writes.
+    account_id: Mapped[int | None] = mapped_column(Integer, index=True)
 
 
 class StoredResponse(Base):
@@ -429,3 +479,56 @@ class BatchLine(Base):
     result: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (Index("ix_batch_lines_status", "status", "batch_id"),)
+
+
+class QuotaAlertSettings(Base):
+    """An account's quota alerts, once its owner changed them (no row: 80 % and 100 % by email). The
+    webhook's secret is kept as is: Flatfare signs each delivery with it, and the console shows it."""
+
+    __tablename__ = "quota_alert_settings"
+
+    account_id: Mapped[int] = mapped_column(ForeignKey("accounts.id"), primary_key=True)
+    # Percents of the daily quota, ascending, each 1..100.
+    thresholds: Mapped[list[int]] = mapped_column(JSON)
+    email_enabled: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
+    webhook_url: Mapped[str | None] = mapped_column(String(2048))
+    webhook_secret: Mapped[str | None] = mapped_column(String(64))
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class AlertStatus(StrEnum):
+    PENDING = "pending"
+    SENT = "sent"
+    # Given up after FLATFARE_QUOTA_ALERTS_MAX_ATTEMPTS tries, or its channel was turned off meanwhile.
+    FAILED = "failed"
+
+
+class AlertChannel(StrEnum):
+    EMAIL = "email"
+    WEBHOOK = "webhook"
+
+
+class QuotaAlertDelivery(Base):
+    """One alert to send: an account's threshold crossed on a quota day, by one channel. The unique key
+    makes it one row whichever gateway process saw the crossing first."""
+
+    __tablename__ = "quota_alert_deliveries"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    account_id: Mapped[int] = mapped_column(ForeignKey("accounts.id"))
+    quota_day: Mapped[str] = mapped_column(String(10))
+    threshold: Mapped[int] = mapped_column(Integer)
+    channel: Mapped[str] = mapped_column(String(16))
+    # The day's count and limit when the crossing was seen (what the alert says).
+    used: Mapped[int] = mapped_column(Integer)
+    daily_limit: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16), default=AlertStatus.PENDING.value)
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    next_attempt_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    sent_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    last_error: Mapped[str | None] = mapped_column(String(512))
+
+    __table_args__ = (UniqueConstraint("account_id", "quota_day", "threshold", "channel",
+                                       name="uq_quota_alert_delivery"),
+                      Index("ix_quota_alert_deliveries_due", "status", "next_attempt_at"))

@@ -11,10 +11,12 @@ from fastapi import Depends, Header, Request
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from flatfare.storage.audit import Actor
 from flatfare.storage.keys import ADMIN_PREFIX, KEY_PREFIX, hash_key, hashes_match, looks_like_key
 from flatfare.storage.models import AdminToken
 from flatfare.gateway.auth import CACHE_SIZE, by_hash
 from flatfare.gateway.errors import APIError
+from flatfare.gateway.app_state import services_of
 
 
 class Scope(StrEnum):
@@ -24,9 +26,15 @@ class Scope(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Admin:
-    token_id: int
+    # None: a console user with ``is_admin`` (no token), named in the audit log by ``name`` only.
+    token_id: int | None
     name: str
     scopes: frozenset[str]
+
+    @property
+    def actor(self) -> Actor:
+        """How the audit log names this admin."""
+        return Actor(self.token_id, self.name)
 
 
 class AdminAuthenticator:
@@ -57,15 +65,17 @@ class AdminAuthenticator:
         return Admin(token_id=row.id, name=row.name, scopes=frozenset(row.scopes))
 
 
-def _require(scope: Scope):  # noqa: ANN202 - a dependency factory
-    async def dependency(request: Request, authorization: Annotated[str | None, Header()] = None) -> Admin:
-        admin = await request.app.state.admin_auth.authenticate(authorization)
-        if scope not in admin.scopes:
-            raise APIError(403, f"This admin token lacks the '{scope}' scope.", code="insufficient_scope")
-        return admin
-
-    return dependency
+async def _admin(request: Request, authorization: Annotated[str | None, Header()] = None) -> Admin:
+    return await services_of(request).admin_auth.authenticate(authorization)
 
 
-AdminReader = Annotated[Admin, Depends(_require(Scope.READ))]
-AdminWriter = Annotated[Admin, Depends(_require(Scope.WRITE))]
+async def _reader(admin: Annotated[Admin, Depends(_admin)]) -> Admin:
+    if Scope.READ.value not in admin.scopes:
+        raise APIError(403, f"This admin token lacks the '{Scope.READ.value}' scope.", code="insufficient_scope")
+    return admin
+
+
+AdminReader = Annotated[Admin, Depends(_reader)]
+# A route that writes: the admin is authenticated here; the write scope is checked by the admin services'
+# audited write (flatfare.gateway.admin.services.writing), the one way every admin write is made.
+AdminWriter = Annotated[Admin, Depends(_admin)]

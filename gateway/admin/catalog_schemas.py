@@ -69,13 +69,15 @@ class WorkerPublic(_Out):
     started_ms: int
     # What its engine actually started with (vLLM's effective configuration; {} before it started).
     engine_config: dict[str, Any] = Field(default_factory=dict)
+    # Its pace governor (flatfare.workers.pace): the standard limit, the engine's pace, baseline and target.
+    governor: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, worker: Any) -> WorkerPublic:
         return cls(worker_id=worker.worker_id, pool=worker.pool or worker.model, state=str(worker.state.value),
                    engine=worker.engine, max_model_len=worker.max_model_len, capacity=worker.capacity,
                    inflight=worker.inflight, started_ms=worker.started_ms,
-                   engine_config=worker.extra.get("engine_config") or {})
+                   engine_config=worker.extra.get("engine_config") or {}, governor=worker.extra.get("governor"))
 
 
 class FleetServing(_Out):

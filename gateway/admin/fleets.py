@@ -11,6 +11,7 @@ from flatfare import contract
 from flatfare.contract import FleetStatus
 from flatfare.gateway.admin.auth import AdminReader
 from flatfare.gateway.admin.schemas import Page, _Out
+from flatfare.gateway.app_state import services_of
 
 router = APIRouter()
 
@@ -38,7 +39,7 @@ class FleetPublic(_Out):
 @router.get("/fleets", response_model=Page[FleetPublic])
 async def list_fleets(request: Request, _: AdminReader) -> dict[str, Any]:
     """Every fleet supervisor whose status has not expired (FLEET_TTL_S), by id."""
-    redis = request.app.state.redis
+    redis = services_of(request).redis
     ids = sorted(i.decode() for i in await redis.zrange(contract.FLEETS_KEY, 0, -1))
     raw = await redis.mget([contract.fleet_key(i) for i in ids]) if ids else []
     fleets = [FleetPublic.model_validate(FleetStatus.decode(r), from_attributes=True) for r in raw if r]

@@ -19,6 +19,8 @@ from flatfare.capabilities import REASONING_PARSERS, TOOL_CALL_PARSERS, chat_tem
 # A host name as vLLM's --allowed-media-domains compares it (no scheme, port or path).
 _Domain = Annotated[str, Field(min_length=1, max_length=253,
                                pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$")]
+# A collector's URL: scheme, host[:port], an optional path; nothing a shell or vLLM's parser would split.
+_OTLP_ENDPOINT = r"^https?://[A-Za-z0-9._\[\]:-]+(/[\w./-]*)?$"
 _PerPrompt = Annotated[int, Field(ge=0, le=64)]
 _Scalar = bool | int | float | str
 
@@ -112,6 +114,10 @@ class EngineOptions(_In):
     max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] | None = None
     max_loras: Annotated[int, Field(ge=1, le=256)] | None = None
     max_cpu_loras: Annotated[int, Field(ge=1, le=4096)] | None = None
+    # vLLM's own OTLP trace export: the collector its engine sends spans to (OTLP over gRPC unless the
+    # worker's OTEL_EXPORTER_OTLP_TRACES_PROTOCOL is http/protobuf). Each request's spans continue the
+    # trace its job carries (flatfare.tracecontext); docs/OPERATIONS.md says how to follow one.
+    otlp_traces_endpoint: Annotated[str, Field(min_length=1, max_length=512, pattern=_OTLP_ENDPOINT)] | None = None
     # Refused here: the entry's own trust_remote_code field turns it on (see the module's docstring).
     trust_remote_code: bool | None = None
 

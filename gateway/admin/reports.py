@@ -1,22 +1,22 @@
-"""Admin routes for usage (JSON or CSV), the audit log and admin tokens."""
+"""Admin routes for usage (JSON or CSV), the audit log and admin tokens (whose writes are :mod:`services`')."""
 
 from __future__ import annotations
 
 import csv
 import io
-from datetime import UTC, date, datetime
+from datetime import date
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from sqlalchemy import func, select
 
-from flatfare.storage.accounts import issue_admin_token
 from flatfare.storage.models import AdminToken, AuditEntry, RequestRecord
-from flatfare.gateway.admin.audit import IdFilter, RowId, not_found, page, record, snapshot
+from flatfare.gateway.admin import services
+from flatfare.gateway.admin.paging import IdFilter, RowId, page
 from flatfare.gateway.admin.auth import AdminReader, AdminWriter
 from flatfare.gateway.admin.schemas import AuditPublic, Page, TokenCreate, TokenCreated, TokenPublic
-from flatfare.gateway.errors import APIError
+from flatfare.gateway.app_state import services_of
 
 router = APIRouter()
 Limit = Annotated[int, Query(ge=1, le=200)]
@@ -52,7 +52,7 @@ async def usage(request: Request, _: AdminReader, since: date | None = None, unt
         query = query.where(RequestRecord.api_key_id == key_id)
     if model:
         query = query.where(RequestRecord.model == model)
-    async with request.app.state.sessions() as session:
+    async with services_of(request).sessions() as session:
         # PostgreSQL sums integers as NUMERIC: bring them back to int.
         rows = [dict(zip(_USAGE_COLUMNS, (*row[:4], *(int(v) for v in row[4:])), strict=True))
                 for row in await session.execute(query)]
@@ -70,8 +70,8 @@ async def usage(request: Request, _: AdminReader, since: date | None = None, unt
 @router.get("/audit", response_model=Page[AuditPublic])
 async def audit(request: Request, _: AdminReader, limit: Limit = 50, after: IdFilter = None,
                 action: str | None = None, resource_type: str | None = None, resource_id: str | None = None,
-                actor_id: IdFilter = None) -> dict[str, Any]:
-    """Newest first."""
+                actor_id: IdFilter = None, account_id: IdFilter = None) -> dict[str, Any]:
+    """Newest first; ``account_id``: what console members did in that account (its Team page's activity)."""
     query = select(AuditEntry).order_by(AuditEntry.id.desc()).limit(limit + 1)
     if after is not None:
         query = query.where(AuditEntry.id < after)
@@ -83,7 +83,9 @@ async def audit(request: Request, _: AdminReader, limit: Limit = 50, after: IdFi
         query = query.where(AuditEntry.resource_id == resource_id)
     if actor_id is not None:
         query = query.where(AuditEntry.actor_id == actor_id)
-    async with request.app.state.sessions() as session:
+    if account_id is not None:
+        query = query.where(AuditEntry.account_id == account_id)
+    async with services_of(request).sessions() as session:
         rows = list(await session.scalars(query))
     return page(rows, limit, lambda e: e.id)
 
@@ -93,7 +95,7 @@ async def list_tokens(request: Request, _: AdminReader, limit: Limit = 50, after
     query = select(AdminToken).order_by(AdminToken.id).limit(limit + 1)
     if after is not None:
         query = query.where(AdminToken.id > after)
-    async with request.app.state.sessions() as session:
+    async with services_of(request).sessions() as session:
         rows = list(await session.scalars(query))
     return page(rows, limit, lambda t: t.id)
 
@@ -101,25 +103,10 @@ async def list_tokens(request: Request, _: AdminReader, limit: Limit = 50, after
 @router.post("/tokens", response_model=TokenCreated, status_code=201)
 async def create_token(request: Request, body: TokenCreate, admin: AdminWriter) -> TokenCreated:
     """A new admin token; no token can grant a scope it does not hold itself."""
-    above = set(body.scopes) - admin.scopes
-    if above:
-        raise APIError(403, f"You cannot grant {', '.join(sorted(above))}: your token lacks it.", param="scopes",
-                       code="insufficient_scope")
-    async with request.app.state.sessions() as session, session.begin():
-        token, secret = await issue_admin_token(session, body.name, list(body.scopes), admin.token_id)
-        record(session, admin, "token.create", "token", token.id, None, snapshot(token))
+    token, secret = await services.create_token(services_of(request).sessions, admin, body)
     return TokenCreated(**TokenPublic.model_validate(token).model_dump(), token=secret)
 
 
 @router.delete("/tokens/{token_id}", response_model=TokenPublic)
 async def revoke_token(request: Request, token_id: RowId, admin: AdminWriter) -> AdminToken:
-    async with request.app.state.sessions() as session, session.begin():
-        token = await session.get(AdminToken, token_id, with_for_update=True)
-        if token is None:
-            raise not_found("token", token_id)
-        before = snapshot(token)
-        if token.revoked_at is None:
-            token.revoked_at = datetime.now(UTC)
-        await session.flush()
-        record(session, admin, "token.revoke", "token", token_id, before, snapshot(token))
-    return token
+    return await services.revoke_token(services_of(request).sessions, admin, token_id)

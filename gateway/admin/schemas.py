@@ -74,6 +74,10 @@ class _PlanFields(_In):
     batch_discount_percent: Annotated[int, Field(ge=0, le=100)] | None = None
     # Batch lines an account may have run or pending per quota day; null: no cap.
     batch_daily_limit: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = None
+    # Distinct client addresses a key may be used from in a UTC day before its owner is told; null: not watched.
+    shared_key_alert_addresses: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    # Addresses a key may be used from at once (the last FLATFARE_SHARED_KEYS_WINDOW_S); null: no cap.
+    shared_key_max_addresses: Annotated[int, Field(ge=1, le=10_000)] | None = None
     timezone: str | None = None
     trial_days: Annotated[int, Field(ge=1, le=365)] | None = None
     retired: bool | None = None
@@ -118,6 +122,8 @@ class PlanPublic(_Out):
     max_embedding_inputs: int
     batch_discount_percent: int
     batch_daily_limit: int | None
+    shared_key_alert_addresses: int | None
+    shared_key_max_addresses: int | None
     timezone: str
     trial_days: int | None
     retired: bool
@@ -217,6 +223,8 @@ class KeyPublic(_Out):
     allowed_models: list[str] | None
     daily_limit: int | None
     max_inflight: int | None
+    created_by_user_id: int | None = Field(default=None, description="The console member who made it; "
+                                           "null: an operator (the admin API, the CLI).")
 
 
 class KeyCreated(KeyPublic):
@@ -244,6 +252,15 @@ class TokenCreated(TokenPublic):
     token: str = Field(description="The secret. Shown once, never again.")
 
 
+class MemberPublic(_Out):
+    """A console user's membership of an account (the console's Team page manages them)."""
+
+    user_id: int
+    email: str
+    role: str
+    since: Timestamp
+
+
 class AuditPublic(_Out):
     id: int
     at: Timestamp
@@ -254,3 +271,4 @@ class AuditPublic(_Out):
     resource_id: str
     before: dict[str, Any] | None
     after: dict[str, Any] | None
+    account_id: int | None = Field(default=None, description="The account a console member acted in.")

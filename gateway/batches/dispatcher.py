@@ -16,8 +16,8 @@ import contextlib
 import json
 import logging
 import time
-import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -25,20 +25,24 @@ import redis.asyncio as aioredis
 from sqlalchemy import Update, exists, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from flatfare import contract
+from flatfare import contract, tracecontext
 from flatfare.billing.ledger import BATCH_ENDPOINT_PREFIX
-from flatfare.billing.plans import AccountTerms, PlanRules, account_terms, effective_plan_name, quota_window
+from flatfare.billing.plans import AccountTerms, quota_window
 from flatfare.contract import Endpoint, Job, Lane
+from flatfare.contract.jobs import text_of
+from flatfare.lanes import feed as lanes
+from flatfare.leases import Lease
+from flatfare.tracing import Tracer
+from flatfare.gateway.auth import Caller, caller_of
 from flatfare.gateway.batches.collector import ResultCollector
 from flatfare.gateway.batches.files import BatchFiles
 from flatfare.gateway.batches.lines import InputError, InputLine, not_run_line, output_line, parse_input
 from flatfare.gateway.batches.protocol import ENDPOINTS
 from flatfare.gateway.errors import APIError, error_body
-from flatfare.gateway.openai.checks import check_caps
-from flatfare.gateway.openai.kinds import KINDS, parse_body
-from flatfare.gateway.pools import Pools
-from flatfare.storage.models import (Account, ApiKey, Batch, BatchLine, BatchLineStatus, BatchStatus, Plan,
-                                     RequestRecord)
+from flatfare.gateway.openai.admission import Admission
+from flatfare.gateway.jobpath.plan_cache import PlanBook
+from flatfare.gateway.jobpath.pools import Pools
+from flatfare.storage.models import Account, ApiKey, Batch, BatchLine, BatchLineStatus, BatchStatus, RequestRecord
 
 log = logging.getLogger("flatfare.batches")
 
@@ -50,10 +54,6 @@ PASS_MS = 200
 RECOVER_EVERY_S = 5.0
 LEASE_S = 10
 PENDING_SCAN = 500
-_RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('EXPIRE', KEYS[1], ARGV[2]) end
-return 0
-"""
 _ACTIVE = (BatchStatus.IN_PROGRESS.value, BatchStatus.CANCELLING.value, BatchStatus.FINALIZING.value)
 _UNFINISHED = (BatchLineStatus.PENDING.value, BatchLineStatus.QUEUED.value)
 
@@ -74,25 +74,27 @@ def _now_ms() -> int:
 
 class BatchDispatcher:
     def __init__(self, redis: aioredis.Redis, sessions: async_sessionmaker[AsyncSession], files: BatchFiles,
-                 pools: Pools, feed_window: int = FEED_WINDOW) -> None:
+                 pools: Pools, admission: Admission, plans: PlanBook, feed_window: int = FEED_WINDOW,
+                 on_line: Callable[[str, bool], None] | None = None, tracer: Tracer | None = None) -> None:
         self.redis = redis
+        self._tracer = tracer
         self._sessions = sessions
         self._files = files
         self._pools = pools
+        self._admission = admission
+        self._plans = plans
         self.feed_window = feed_window
-        self.collector = ResultCollector(redis, sessions)
-        self._renew = redis.register_script(_RENEW)
+        self.collector = ResultCollector(redis, sessions, on_line)
         self._cancels_sent: set[str] = set()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Dispatch while this process holds the lease; otherwise wait to take it over."""
-        me = uuid.uuid4().hex
+        lease = Lease(self.redis, contract.BATCH_LEADER_KEY, LEASE_S)
         leading = False
         next_recovery = 0.0
         while not stop.is_set():
             try:
-                if await self.redis.set(contract.BATCH_LEADER_KEY, me, nx=True, ex=LEASE_S) or \
-                        await self._renew(keys=[contract.BATCH_LEADER_KEY], args=[me, LEASE_S]):
+                if await lease.hold():
                     if not leading:  # a new leader trusts nothing in flight: it resumes from SQL
                         await self.collector.setup()
                         leading, next_recovery = True, 0.0
@@ -145,16 +147,21 @@ class BatchDispatcher:
             await session.execute(_failing(batch_id, errors))
 
     async def _start(self, batch: Batch, lines: list[InputLine]) -> None:
+        """Check every line as the same request sent live would be (nothing is written meanwhile), then
+        start the batch: its lines queued, those refused failed, free, with the live path's error."""
         now = datetime.now(UTC)
-        async with self._sessions() as session, session.begin():
+        async with self._sessions() as session:
             account = await session.get(Account, batch.account_id)
             key = await session.get(ApiKey, batch.api_key_id)
             assert account is not None and key is not None
-            plan = await session.get(Plan, effective_plan_name(account, now))
-            assert plan is not None
-            limit = plan.batch_daily_limit
+            session.expunge(account)
+        terms = await self._plans.terms(account, now)
+        caller = caller_of(account, key)
+        checked = [await self._checked(ENDPOINTS[batch.endpoint], line, caller, terms) for line in lines]
+        async with self._sessions() as session, session.begin():
+            limit = terms.plan.batch_daily_limit
             if limit is not None:
-                used = await _allowance_used(session, account.id, quota_window(plan.timezone, now).day)
+                used = await _allowance_used(session, account.id, quota_window(terms.plan.timezone, now).day)
                 if used + len(lines) > limit:
                     message = (f"This batch's {len(lines)} requests exceed the plan's batch allowance: "
                                f"{max(limit - used, 0)} of {limit} left today. Send a smaller batch or wait "
@@ -166,12 +173,8 @@ class BatchDispatcher:
                 status=BatchStatus.IN_PROGRESS.value, in_progress_at=now, total=len(lines)))
             if not started.rowcount:  # cancelled meanwhile: it never runs
                 return
-            unknown = {model: why for model in {line.model for line in lines}
-                       if (why := await self._unknown(model, account.dedicated_pool)) is not None}
-            terms = account_terms(account, {plan.name: PlanRules.from_row(plan)}, now)
             refused = 0
-            for index, line in enumerate(lines):
-                body, refusal = _checked(ENDPOINTS[batch.endpoint], line, terms, key, unknown)
+            for index, (line, (body, refusal)) in enumerate(zip(lines, checked, strict=True)):
                 refused += refusal is not None
                 session.add(BatchLine(batch_id=batch.id, line=index, custom_id=line.custom_id, model=line.model,
                                       body=body, status=(BatchLineStatus.FAILED if refusal
@@ -182,14 +185,15 @@ class BatchDispatcher:
             if refused:
                 await session.execute(update(Batch).where(Batch.id == batch.id).values(failed=refused))
 
-    async def _unknown(self, model: str, dedicated: str | None) -> str | None:
-        """Why no pool serves ``model`` (as a live request would hear it), or None. A pool without a
-        warm worker is no refusal: the line waits for one."""
+    async def _checked(self, endpoint: Endpoint, line: InputLine, caller: Caller,
+                       terms: AccountTerms) -> tuple[str, APIError | None]:
+        """A line through the admission every live request takes (flatfare.gateway.openai.admission): the
+        body its job carries, or the error refusing it. A refused line is free and never runs."""
         try:
-            await self._pools.route(model, dedicated)
+            request = await self._admission.check(endpoint, line.body.encode(), caller, terms, batch_line=True)
         except APIError as exc:
-            return exc.message if exc.status == 404 else None
-        return None
+            return line.body, exc
+        return request.job_body(), None
 
     async def _pool(self, model: str, dedicated: str | None) -> str:
         """The pool a line of ``model`` runs in, as a live request would be routed (a LoRA variant's is
@@ -245,20 +249,8 @@ class BatchDispatcher:
             if where not in routed:
                 routed[where] = await self._pool(*where)
             by_pool[routed[where]].append(row)
-        pools = list(by_pool)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for pool in pools:
-                for lane in contract.LIVE_LANES:
-                    pipe.get(contract.queued_key(pool, lane))
-                pipe.xlen(contract.job_stream(pool, Lane.BATCH))
-            counts = await pipe.execute()
-        chosen: dict[str, list[Any]] = {}
-        for i, pool in enumerate(pools):
-            premium, standard, batch_jobs = counts[3 * i:3 * i + 3]
-            if int(premium or 0) <= 0 and int(standard or 0) <= 0:  # live work waits: leave the pool to it
-                room = self.feed_window - int(batch_jobs)
-                if room > 0:
-                    chosen[pool] = by_pool[pool][:room]
+        room = await lanes.batch_room(self.redis, list(by_pool), self.feed_window)
+        chosen = {pool: by_pool[pool][:room[pool]] for pool in by_pool if room[pool] > 0}
         if not chosen:
             return
         # Queued in SQL before the jobs exist: a dispatcher that dies in between leaves queued lines
@@ -270,15 +262,31 @@ class BatchDispatcher:
                         BatchLine.batch_id == row.batch_id, BatchLine.line == row.line).values(
                         status=BatchLineStatus.QUEUED.value))
         enqueued = _now_ms()
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for pool, lines in chosen.items():
-                for row in lines:
-                    job = Job(request_id=contract.batch_request_id(row.batch_id, row.line),
-                              endpoint=ENDPOINTS[row.endpoint], body=row.body, enqueued_ms=enqueued, lane=Lane.BATCH,
-                              reply_to=contract.BATCH_REPLIES)
-                    pipe.xadd(contract.job_stream(pool, Lane.BATCH), job.to_fields())
-                pipe.xadd(contract.wake_stream(pool), {"j": 1}, maxlen=64, approximate=True)
-            await pipe.execute()
+        traces = await self._traces({row.batch_id for lines in chosen.values() for row in lines})
+        await lanes.feed(self.redis, {pool: [
+            Job(request_id=contract.batch_request_id(row.batch_id, row.line), endpoint=ENDPOINTS[row.endpoint],
+                body=row.body, enqueued_ms=enqueued, lane=Lane.BATCH, reply_to=contract.BATCH_REPLIES,
+                traceparent=self._line_traceparent(traces.get(row.batch_id), row.batch_id, row.line))
+            for row in lines] for pool, lines in chosen.items()})
+
+    def _line_traceparent(self, parent: str | None, batch_id: str, line: int) -> str:
+        """A line's span, under the span of the request that created its batch: the job carries it, the
+        worker's spans for the line are its children."""
+        if self._tracer is None:
+            return tracecontext.continue_or_start(parent).header()
+        trace, spans = self._tracer.start("batch line", parent, kind="producer",
+                                          **{"flatfare.request_id": contract.batch_request_id(batch_id, line),
+                                             "flatfare.batch_id": batch_id})
+        if spans is not None:
+            spans.finish()
+        return trace.header()
+
+    async def _traces(self, batch_ids: set[str]) -> dict[str, str]:
+        """The traceparent of the request that created each batch, where Redis still has it: each line is
+        a span of its own in that trace (in a new trace of its own otherwise)."""
+        ids = sorted(batch_ids)
+        values = await self.redis.mget([contract.batch_trace_key(batch_id) for batch_id in ids])
+        return {batch_id: text_of(value) for batch_id, value in zip(ids, values, strict=True) if value}
 
     async def _finish(self) -> None:
         """Batches with no line left to run: their files written, their final status set."""
@@ -370,38 +378,6 @@ class BatchDispatcher:
                 .where(BatchLine.status == BatchLineStatus.QUEUED.value))).all()
         routed = {where: await self._pool(*where) for where in {(r.model, r.dedicated_pool) for r in rows}}
         return [(r.batch_id, r.line, routed[(r.model, r.dedicated_pool)], r.status) for r in rows]
-
-
-def _checked(endpoint: Endpoint, line: InputLine, terms: AccountTerms, key: ApiKey,
-             unknown: dict[str, str]) -> tuple[str, APIError | None]:
-    """A line checked as the same request sent live would be (its wire model, the plan's caps, the key's
-    models): the body its job carries (the plan's output cap filled in where it sets no limit), or the
-    error refusing it. A refused line is free and never runs."""
-    if line.model in unknown:
-        return line.body, APIError(404, unknown[line.model], param="model", code="model_not_found")
-    kind = KINDS[endpoint]
-    try:
-        body, parsed = parse_body(endpoint, line.body.encode())
-        check_caps(parsed, terms, len(line.body), kind.check_caps)
-    except APIError as exc:
-        return line.body, exc
-    if key.allowed_models is not None and parsed.model not in key.allowed_models:
-        return line.body, APIError(403, f"This API key may not use the model '{parsed.model}'.", param="model",
-                                   code="model_not_allowed")
-    cap = terms.plan.max_output_tokens
-    if cap is not None and kind.output_param is not None and parsed.output_tokens() is None:
-        body[kind.output_param] = cap
-    if endpoint is Endpoint.RESPONSES:
-        if body.get("previous_response_id"):
-            return line.body, APIError(400, "previous_response_id is not supported in a batch: send the whole "
-                                       "conversation as the line's input.", param="previous_response_id",
-                                       code="unsupported_parameter")
-        # A batch line's response is in the batch's output file, not kept for GET /v1/responses/{id}; the
-        # worker's vLLM keeps nothing either.
-        body["store"] = False
-    for name in ("request_id", "priority"):  # the worker's to set
-        body.pop(name, None)
-    return json.dumps(body, separators=(",", ":")), None
 
 
 async def _allowance_used(session: AsyncSession, account_id: int, day: str) -> int:

@@ -72,8 +72,3 @@ def not_run_line(request_id: str, custom_id: str, code: str, message: str) -> st
     """A line of the error file for a request that never ran (its batch was cancelled or expired)."""
     return json.dumps({"id": f"batch_req_{request_id}", "custom_id": custom_id, "response": None,
                        "error": {"code": code, "message": message}}, separators=(",", ":"))
-
-
-def line_price(price_per_request_micros: int, discount_percent: int) -> int:
-    """A batch line's price: the plan's per-request price less the batch discount (rounded down)."""
-    return price_per_request_micros * (100 - min(max(discount_percent, 0), 100)) // 100

@@ -10,17 +10,18 @@ from flatfare.gateway.batches.protocol import BatchCreate, batch_object
 from flatfare.gateway.batches.service import BatchService
 from flatfare.gateway.deps import CurrentCaller
 from flatfare.gateway.errors import ERROR_RESPONSES
+from flatfare.gateway.app_state import services_of
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=ERROR_RESPONSES)
 
 
 def _service(request: Request) -> BatchService:
-    return request.app.state.batches
+    return services_of(request).batches
 
 
 @router.post("")
 async def create_batch(request: Request, caller: CurrentCaller, body: BatchCreate) -> dict[str, Any]:
-    return batch_object(await _service(request).create(caller, body))
+    return batch_object(await _service(request).create(caller, body, getattr(request.state, "traceparent", "")))
 
 
 @router.get("/{batch_id}")

@@ -3,19 +3,25 @@ dispatcher does the running)."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from datetime import UTC, datetime, timedelta
 
+import redis.asyncio as aioredis
 from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from flatfare import contract
 from flatfare.gateway.auth import Caller
 from flatfare.gateway.batches.files import BatchFiles
 from flatfare.gateway.batches.protocol import BatchCreate
 from flatfare.gateway.errors import APIError
+from flatfare.redis_conn import REDIS_DOWN
 from flatfare.storage.models import Batch, BatchStatus
 
 WINDOW = timedelta(hours=24)
+# The batch's trace outlives its window by this much: a line still running at the deadline is in it.
+TRACE_SLACK = timedelta(hours=1)
 # A batch can be cancelled until it has finished running its lines.
 CANCELLABLE = (BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value)
 
@@ -26,11 +32,13 @@ def _not_found(batch_id: str) -> APIError:
 
 
 class BatchService:
-    def __init__(self, sessions: async_sessionmaker[AsyncSession], files: BatchFiles) -> None:
+    def __init__(self, sessions: async_sessionmaker[AsyncSession], files: BatchFiles, redis: aioredis.Redis) -> None:
         self._sessions = sessions
         self._files = files
+        self._redis = redis
 
-    async def create(self, caller: Caller, request: BatchCreate) -> Batch:
+    async def create(self, caller: Caller, request: BatchCreate, traceparent: str = "") -> Batch:
+        """The batch, validating; ``traceparent`` (the creating request's span) is the parent of its lines'."""
         if not await self._files.input_exists(caller.account_id, request.input_file_id):
             raise APIError(400, f"No file '{request.input_file_id}' of purpose 'batch' in this account: upload "
                            "the requests with POST /v1/files and purpose=batch first.", param="input_file_id",
@@ -43,6 +51,10 @@ class BatchService:
                       expires_at=now + WINDOW)
         async with self._sessions() as session, session.begin():
             session.add(batch)
+        if traceparent:  # kept while the batch may run; without it (Redis down) each line is a trace of its own
+            with contextlib.suppress(*REDIS_DOWN):
+                await self._redis.set(contract.batch_trace_key(batch.id), traceparent,
+                                      ex=int((WINDOW + TRACE_SLACK).total_seconds()))
         return batch
 
     async def get(self, caller: Caller, batch_id: str) -> Batch:

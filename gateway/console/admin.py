@@ -13,17 +13,20 @@ from fastapi.responses import RedirectResponse, Response
 from pydantic import ValidationError
 from sqlalchemy import func, select
 
-from flatfare.gateway.admin import services
-from flatfare.gateway.admin.audit import IdFilter, RowId, not_found
-from flatfare.gateway.admin.auth import Admin, Scope
+from flatfare.gateway.admin import catalog_services, services
+from flatfare.gateway.admin.paging import IdFilter, RowId, not_found
+from flatfare.gateway.admin.auth import Admin
 from flatfare.gateway.admin.catalog_schemas import ModelUpdate
 from flatfare.gateway.admin.schemas import AccountUpdate
+from flatfare.gateway.console.shared_key_notice import shared_keys_of
 from flatfare.gateway.console import admin_data as data
+from flatfare.gateway.console import members
 from flatfare.gateway.console.admin_forms import PLAN_FIELDS, plan_values, read_plan_form
 from flatfare.gateway.console.deps import ConsoleAdmin, ConsoleForm
 from flatfare.gateway.console.pages import render
 from flatfare.gateway.errors import APIError
 from flatfare.storage.models import Account, AuditEntry, Plan
+from flatfare.gateway.app_state import services_of
 
 router = APIRouter(prefix="/console/admin", include_in_schema=False)
 
@@ -36,10 +39,10 @@ FLASHES = {"plan": "The account's plan was changed.", "suspended": "The account 
 USAGE_RANGES = (7, 30, 90)
 
 
-def _writer(admin: Admin) -> Admin:
-    if Scope.WRITE.value not in admin.scopes:
-        raise APIError(403, "Your admin token is read-only (it lacks 'admin:write').", code="insufficient_scope")
-    return admin
+def _on_the_form(exc: APIError) -> bool:
+    """An admin service's refusal the form shows beside its fields; a missing row (404) or a read-only
+    admin (403, the services' scope check) is answered as such instead."""
+    return exc.status not in (403, 404)
 
 
 def _htmx(request: Request) -> bool:
@@ -63,8 +66,15 @@ def num(value: int | None, none: str = "—") -> str:
     return none if value is None else f"{value:,}"
 
 
+def secs(value: float | None, none: str = "—") -> str:
+    """A latency: milliseconds under a second, else seconds."""
+    if value is None:
+        return none
+    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
+
+
 def _page(request: Request, name: str, context: dict[str, Any], *, status_code: int = 200) -> Response:
-    helpers = {"money": money, "num": num, "nav": "admin"}
+    helpers = {"money": money, "num": num, "secs": secs, "nav": "admin"}
     return render(request, name, {**helpers, **_flash(request), **context}, status_code=status_code)
 
 
@@ -79,15 +89,15 @@ def _chart(days: list[Any]) -> dict[str, Any]:
 
 @router.get("")
 async def dashboard(request: Request, admin: ConsoleAdmin) -> Response:
-    state = request.app.state
+    state = services_of(request)
     async with state.sessions() as session:
         counts = await data.platform_counts(session)
         recent, _ = await data.audit_page(session, limit=6)
     days = await data.platform_usage(state, 14)
     models, redis_up = await data.model_rows(state)
     return _page(request, "admin/dashboard.html", {
-        "admin": admin, "counts": counts, "today": days[-1],
-        "chart": _chart(days), "models": models, "redis_up": redis_up,
+        "admin": admin, "counts": counts, "today": days[-1], "shared_keys": await shared_keys_of(state),
+        "chart": _chart(days), "models": models, "redis_up": redis_up, "plans": await data.plan_rows(state),
         "recent": [{"entry": e, "label": label(e)} for e in recent]})
 
 
@@ -95,7 +105,7 @@ async def dashboard(request: Request, admin: ConsoleAdmin) -> Response:
 
 @router.get("/accounts")
 async def accounts(request: Request, admin: ConsoleAdmin, q: Search = "", after: IdFilter = None) -> Response:
-    async with request.app.state.sessions() as session:
+    async with services_of(request).sessions() as session:
         rows, next_after = await data.find_accounts(session, q, after=after)
         emails = await data.emails_of(session, [a.id for a in rows])
         key_counts = await data.live_key_counts(session, [a.id for a in rows])
@@ -107,11 +117,14 @@ async def accounts(request: Request, admin: ConsoleAdmin, q: Search = "", after:
 
 async def _account_page(request: Request, account_id: int, *, error: str = "", notice: str = "",
                         status_code: int = 200, partial: bool = False) -> Response:
-    view = await data.account_view(request.app.state, account_id)
+    view = await data.account_view(services_of(request), account_id)
     if view is None:
         raise not_found("account", account_id)
+    async with services_of(request).sessions() as db:
+        team = await members.members(db, account_id)
     context = {"view": view, "chart": _chart(view.history), "form_error": error, "form_notice": notice,
-               "now": datetime.now(UTC)}
+               "now": datetime.now(UTC), "team": team, "member_emails": {m.user_id: m.email for m in team},
+               "shared_keys": {k.key_id: k for k in await shared_keys_of(services_of(request), account_id)}}
     return _page(request, "admin/_account_summary.html" if partial else "admin/account.html", context,
                  status_code=status_code)
 
@@ -123,14 +136,14 @@ async def account(request: Request, account_id: RowId, admin: ConsoleAdmin) -> R
 
 async def _update_account(request: Request, admin: Admin, account_id: int, fields: dict[str, Any],
                           done: str) -> Response:
-    _writer(admin)
+    services.require_write(admin)  # a read-only admin hears so before the form is read
     try:
-        await services.update_account(request.app.state.sessions, admin, account_id, AccountUpdate(**fields))
+        await services.update_account(services_of(request).sessions, admin, account_id, AccountUpdate(**fields))
     except ValidationError as exc:
         return await _account_page(request, account_id, error=exc.errors()[0]["msg"], partial=_htmx(request),
                                    status_code=200 if _htmx(request) else 422)
     except APIError as exc:
-        if exc.status == 404:
+        if not _on_the_form(exc):
             raise
         return await _account_page(request, account_id, error=exc.message, partial=_htmx(request),
                                    status_code=200 if _htmx(request) else exc.status)
@@ -156,7 +169,7 @@ async def change_status(request: Request, account_id: RowId, admin: ConsoleAdmin
 
 @router.get("/plans")
 async def plans(request: Request, admin: ConsoleAdmin) -> Response:
-    async with request.app.state.sessions() as session:
+    async with services_of(request).sessions() as session:
         rows = sorted(await session.scalars(select(Plan)), key=_plan_order)
         on_plan = dict((await session.execute(select(Account.plan, func.count()).group_by(Account.plan))).all())
     return _page(request, "admin/plans.html", {"rows": rows, "on_plan": on_plan})
@@ -168,7 +181,7 @@ def _plan_order(plan: Plan) -> tuple[Any, ...]:
 
 
 async def _plan(request: Request, name: str) -> Plan:
-    async with request.app.state.sessions() as session:
+    async with services_of(request).sessions() as session:
         plan = await session.get(Plan, name[:64])
     if plan is None:
         raise not_found("plan", name[:64])
@@ -192,14 +205,14 @@ async def plan_form(request: Request, name: str, admin: ConsoleAdmin) -> Respons
 async def plan_card(request: Request, name: str, admin: ConsoleAdmin) -> Response:
     """One plan's card (htmx puts it back when an edit is cancelled or saved)."""
     plan = await _plan(request, name)
-    async with request.app.state.sessions() as session:
+    async with services_of(request).sessions() as session:
         on_it = await session.scalar(select(func.count()).select_from(Account).where(Account.plan == plan.name))
     return _page(request, "admin/_plan_card.html", {"plan": plan, "on_it": on_it})
 
 
 @router.post("/plans/{name}")
 async def save_plan(request: Request, name: str, admin: ConsoleAdmin, form: ConsoleForm) -> Response:
-    _writer(admin)
+    services.require_write(admin)  # a read-only admin hears so before the form is read
     plan = await _plan(request, name)
     result = read_plan_form(plan, form)
     if result.errors:
@@ -207,9 +220,9 @@ async def save_plan(request: Request, name: str, admin: ConsoleAdmin, form: Cons
     changed = result.update.model_dump(exclude_unset=True) if result.update else {}
     if changed:
         try:
-            plan = await services.update_plan(request.app.state.sessions, admin, plan.name, result.update)
+            plan = await services.update_plan(services_of(request).sessions, admin, plan.name, result.update)
         except APIError as exc:
-            if exc.status == 404:
+            if not _on_the_form(exc):
                 raise
             errors = {(exc.param or "display_name"): exc.message}
             return _plan_form(request, plan, result.values, errors, status_code=200 if _htmx(request) else exc.status)
@@ -222,7 +235,7 @@ async def save_plan(request: Request, name: str, admin: ConsoleAdmin, form: Cons
 
 @router.get("/models")
 async def models(request: Request, admin: ConsoleAdmin) -> Response:
-    rows, redis_up = await data.model_rows(request.app.state)
+    rows, redis_up = await data.model_rows(services_of(request))
     context = {"rows": rows, "redis_up": redis_up}
     if _htmx(request) and request.headers.get("hx-target") == "model-rows":
         return _page(request, "admin/_model_rows.html", context)
@@ -233,7 +246,7 @@ async def models(request: Request, admin: ConsoleAdmin) -> Response:
 async def save_model(request: Request, name: str, admin: ConsoleAdmin, form: ConsoleForm) -> Response:
     """Enable or disable a catalog entry, pin it, set its minimum of workers or its idle timeout (blank:
     the fleet's default); a form sends any of them."""
-    _writer(admin)
+    services.require_write(admin)  # a read-only admin hears so before the form is read
     fields: dict[str, Any] = {}
     for flag in ("enabled", "pinned"):
         if flag in form:
@@ -243,18 +256,18 @@ async def save_model(request: Request, name: str, admin: ConsoleAdmin, form: Con
             fields[number] = form[number][:16].strip() or None
     error = ""
     try:
-        await services.update_model(request.app.state.sessions, admin, name[:128], ModelUpdate(**fields))
+        await catalog_services.update_model(services_of(request).sessions, admin, name[:128], ModelUpdate(**fields))
     except ValidationError as exc:
         error = f"{exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}"
     except APIError as exc:
-        if exc.status == 404:
+        if not _on_the_form(exc):
             raise
         error = exc.message
     if not _htmx(request):
         if error:
             raise APIError(422, error, code="invalid_value")
         return RedirectResponse("/console/admin/models?done=saved", status_code=303)
-    rows, redis_up = await data.model_rows(request.app.state)
+    rows, redis_up = await data.model_rows(services_of(request))
     return _page(request, "admin/_model_rows.html", {"rows": rows, "redis_up": redis_up, "row_error": error,
                                                      "error_model": name})
 
@@ -263,7 +276,7 @@ async def save_model(request: Request, name: str, admin: ConsoleAdmin, form: Con
 
 @router.get("/usage")
 async def usage(request: Request, admin: ConsoleAdmin, days: Days = 30) -> Response:
-    rows = await data.platform_usage(request.app.state, days)
+    rows = await data.platform_usage(services_of(request), days)
     totals = {"requests": sum(r.requests for r in rows), "billable": sum(r.billable_requests for r in rows),
               "revenue": sum(r.price_micros for r in rows)}
     return _page(request, "admin/usage.html", {"rows": list(reversed(rows)), "chart": _chart(rows), "days": days,
@@ -272,7 +285,7 @@ async def usage(request: Request, admin: ConsoleAdmin, days: Days = 30) -> Respo
 
 @router.get("/audit")
 async def audit(request: Request, admin: ConsoleAdmin, before: IdFilter = None, action: Action = "") -> Response:
-    async with request.app.state.sessions() as session:
+    async with services_of(request).sessions() as session:
         rows, next_before = await data.audit_page(session, before=before, action=action)
         actions = list(await session.scalars(select(AuditEntry.action).distinct().order_by(AuditEntry.action)
                                              .limit(100)))

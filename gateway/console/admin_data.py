@@ -11,13 +11,17 @@ from typing import Any
 from sqlalchemy import func, or_, select
 
 from flatfare import contract
-from flatfare.billing import usage as rollup
+from flatfare.billing import rollup
 from flatfare.billing.plans import quota_window
 from flatfare.billing.quota import QuotaUnavailable
 from flatfare.contract import WorkerInfo, WorkerState
 from flatfare.redis_conn import REDIS_DOWN
 from flatfare.storage.models import Account, ApiKey, AuditEntry, CatalogModel, ConsoleUser, Plan
-from flatfare.queues import QueueDepth, pool_queues
+from flatfare.lanes.depth import QueueDepth, pool_queues
+from flatfare.gateway.app_state import Services
+from flatfare.gateway.metrics import process_samples
+from flatfare.gateway.plan_figures import PlanFigures, plan_figures
+from flatfare.gateway.platform_metrics import plan_states
 
 PAGE_SIZE = 50
 # What an account search may be: a name or an email is well within this.
@@ -89,7 +93,7 @@ class AccountView:
     by_model: list[dict[str, Any]]
 
 
-async def account_view(state: Any, account_id: int) -> AccountView | None:
+async def account_view(state: Services, account_id: int) -> AccountView | None:
     now = datetime.now(UTC)
     async with state.sessions() as session:
         account = await session.get(Account, account_id)
@@ -163,7 +167,7 @@ def warmth(workers: list[WorkerInfo], expected: bool) -> str:
     return "unavailable" if expected else "cold"
 
 
-async def model_rows(state: Any) -> tuple[list[ModelRow], bool]:
+async def model_rows(state: Services) -> tuple[list[ModelRow], bool]:
     """Every catalog model and every pool served outside it, with its live workers, each lane's
     queue (as ``/metrics`` reports it) and its requests today (UTC); and whether Redis answered."""
     today = datetime.now(UTC).date().isoformat()
@@ -194,7 +198,14 @@ async def model_rows(state: Any) -> tuple[list[ModelRow], bool]:
     return sorted(rows.values(), key=lambda r: (not r.in_catalog, r.name)), redis_up
 
 
-async def platform_usage(state: Any, days: int) -> list[rollup.DayUsage]:
+async def plan_rows(state: Services) -> list[PlanFigures]:
+    """Each plan's promise and this gateway's figures for it since it started (the dashboard's table)."""
+    async with state.sessions() as session:
+        plans = await plan_states(session, state.settings, datetime.now(UTC))
+    return plan_figures(process_samples(state.metrics), plans)
+
+
+async def platform_usage(state: Services, days: int) -> list[rollup.DayUsage]:
     """The platform's requests, billable requests and billable revenue per UTC day, oldest first."""
     today = datetime.now(UTC).date().isoformat()
     async with state.sessions() as session:

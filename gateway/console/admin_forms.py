@@ -34,11 +34,15 @@ PLAN_FIELDS: list[tuple[str, str, str]] = [
     ("max_embedding_inputs", "Embedding inputs", "Inputs one embeddings request may carry."),
     ("batch_discount_percent", "Batch discount (%)", "Off the per-request price for a Batch API line; 0 to 100."),
     ("batch_daily_limit", "Batch lines a day", "Run or pending per quota day; empty: no cap."),
+    ("shared_key_alert_addresses", "Shared-key alert (addresses a day)",
+     "A key used from more client addresses in a UTC day is flagged and its owner told; empty: not watched."),
+    ("shared_key_max_addresses", "Addresses a key at once",
+     "More, within the last minutes, are refused (429 key_shared_too_widely); empty: no cap."),
     ("timezone", "Day's timezone", "IANA name, e.g. UTC or Europe/Paris."),
     ("trial_days", "Trial days", "Empty: not a trial."),
 ]
 _NULLABLE_INTS = {"daily_limit", "max_inflight", "max_output_tokens", "max_prompt_tokens", "trial_days",
-                  "batch_daily_limit"}
+                  "batch_daily_limit", "shared_key_alert_addresses", "shared_key_max_addresses"}
 _INTS = {"max_n", "max_body_bytes", "max_embedding_inputs", "batch_discount_percent"}
 # A pydantic error on an API field belongs to this form field.
 _FORM_FIELD_OF = {"price_per_request_micros": "price_per_request", "monthly_price_cents": "monthly_price"}
@@ -87,6 +91,8 @@ def plan_values(plan: Plan) -> dict[str, str]:
         "max_embedding_inputs": text(plan.max_embedding_inputs),
         "batch_discount_percent": text(plan.batch_discount_percent),
         "batch_daily_limit": text(plan.batch_daily_limit),
+        "shared_key_alert_addresses": text(plan.shared_key_alert_addresses),
+        "shared_key_max_addresses": text(plan.shared_key_max_addresses),
         "timezone": plan.timezone,
         "trial_days": text(plan.trial_days),
         "retired": "on" if plan.retired else "",

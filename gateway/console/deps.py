@@ -1,5 +1,7 @@
-"""The console's FastAPI dependencies: who is logged in (:data:`ConsoleCustomer`, :data:`ConsoleAdmin`)
-and a form whose CSRF token was checked (:data:`ConsoleForm`, :data:`CsrfChecked`).
+"""The console's FastAPI dependencies: who is logged in (:data:`ConsoleCustomer`, :data:`ConsoleAdmin`),
+whether their role in the account opens a page (:data:`KeysMember`, :data:`UsageMember`,
+:data:`BillingMember`: :mod:`flatfare.gateway.roles`' areas) and a form whose CSRF token was checked
+(:data:`ConsoleForm`, :data:`CsrfChecked`).
 
 Every POST of the console takes :data:`ConsoleForm` or :data:`CsrfChecked`: a request without the
 session's token (form field ``csrf_token`` or header ``X-CSRF-Token``, which htmx sends) is refused
@@ -16,10 +18,12 @@ from fastapi import Depends, Request
 from sqlalchemy import select
 
 from flatfare.gateway.admin.auth import Admin, Scope
+from flatfare.gateway.roles import Area, areas
 from flatfare.gateway.console.sessions import ConsoleSession, ConsoleSessions, stamp_matches
 from flatfare.gateway.errors import APIError
 from flatfare.gateway.openai.asgi import read_body
-from flatfare.storage.models import Account, AdminToken, ConsoleUser
+from flatfare.storage.models import Account, AccountMember, AdminToken, ConsoleUser
+from flatfare.gateway.app_state import services_of
 
 CSRF_FIELD = "csrf_token"
 CSRF_HEADER = "x-csrf-token"
@@ -38,15 +42,19 @@ class LoginRequired(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Customer:
-    """The logged-in console user and the account they act for."""
+    """The logged-in console user, the account they act for and their role in it."""
 
     user: ConsoleUser
     account: Account
     session: ConsoleSession
+    role: str
+
+    def may(self, area: Area) -> bool:
+        return area in areas(self.role)
 
 
 def sessions_of(request: Request) -> ConsoleSessions:
-    return request.app.state.console_sessions
+    return services_of(request).console_sessions
 
 
 async def current_session(request: Request) -> ConsoleSession | None:
@@ -60,14 +68,26 @@ async def console_customer(request: Request) -> Customer:
     session = await current_session(request)
     if session is None or session.user_id is None or session.account_id is None:
         raise LoginRequired()
-    async with request.app.state.sessions() as db:
+    async with services_of(request).sessions() as db:
         user = await db.get(ConsoleUser, session.user_id)
         account = await db.get(Account, session.account_id)
-    if (user is None or account is None or user.account_id != account.id
+        # A removed member's sessions end here, on their next request.
+        member = await db.get(AccountMember, (session.account_id, session.user_id))
+    if (user is None or account is None or member is None or user.account_id != account.id
             or not stamp_matches(session, user.password_hash)):  # started before a password change
         await sessions_of(request).end(session)
         raise LoginRequired()
-    return Customer(user=user, account=account, session=session)
+    request.state.console_areas = areas(member.role)  # the nav shows what the role opens
+    return Customer(user=user, account=account, session=session, role=member.role)
+
+
+def _member_in(area: Area):  # noqa: ANN202 - a FastAPI dependency
+    async def member(customer: Annotated[Customer, Depends(console_customer)]) -> Customer:
+        if not customer.may(area):
+            raise APIError(403, f"Your role in this account ({customer.role}) does not open this page: "
+                                "ask an owner or admin of the account.", code="role_forbidden")
+        return customer
+    return member
 
 
 async def console_admin(request: Request) -> Admin:
@@ -76,7 +96,7 @@ async def console_admin(request: Request) -> Admin:
     session = await current_session(request)
     if session is None or not session.admin:
         raise LoginRequired(admin=True)
-    async with request.app.state.sessions() as db:
+    async with services_of(request).sessions() as db:
         if session.admin_token_id is not None:
             token = await db.get(AdminToken, session.admin_token_id)
             if token is None or token.revoked_at is not None:
@@ -127,6 +147,9 @@ async def _form(request: Request) -> dict[str, str]:
 
 
 ConsoleCustomer = Annotated[Customer, Depends(console_customer)]
+KeysMember = Annotated[Customer, Depends(_member_in(Area.KEYS))]
+UsageMember = Annotated[Customer, Depends(_member_in(Area.USAGE))]
+BillingMember = Annotated[Customer, Depends(_member_in(Area.BILLING))]
 ConsoleAdmin = Annotated[Admin, Depends(console_admin)]
 ConsoleForm = Annotated[dict[str, str], Depends(_form)]
 CsrfChecked = Annotated[ConsoleSession, Depends(_csrf_header)]

@@ -1,5 +1,7 @@
-"""The customer's API keys: list, create (with the per-key limits), revoke, rotate. Every key is looked
-up with the customer's own account id in the query: another account's key id is simply not found."""
+"""The customer's API keys: list (with the member who made each), create (with the per-key limits),
+revoke, rotate; for members whose role opens keys (:mod:`flatfare.gateway.roles`), each write in the
+account's audit log. Every key is looked up with the customer's own account id in the query: another
+account's key id is simply not found."""
 
 from __future__ import annotations
 
@@ -12,14 +14,18 @@ from fastapi.responses import RedirectResponse, Response
 from pydantic import ValidationError
 from sqlalchemy import select
 
-from flatfare import contract
+from flatfare.gateway.console.shared_key_notice import shared_keys_of
+from flatfare.gateway.console import keyspace
 from flatfare.gateway.admin.schemas import KeyCreate
-from flatfare.gateway.console.deps import ConsoleCustomer, ConsoleForm, Customer
-from flatfare.gateway.console.models import plan_models
+from flatfare.gateway.console.deps import ConsoleForm, Customer, KeysMember
+from flatfare.gateway.console.plan_models import plan_models
 from flatfare.gateway.console.pages import render
 from flatfare.gateway.errors import APIError
-from flatfare.storage.accounts import KeyLimitsUpdate, issue_key
-from flatfare.storage.models import ApiKey
+from flatfare.gateway.console.members import actor_of
+from flatfare.storage.accounts import KeyLimitsUpdate, issue_key, revoke, rotate
+from flatfare.storage.audit import record, snapshot
+from flatfare.storage.models import ApiKey, ConsoleUser
+from flatfare.gateway.app_state import services_of
 
 router = APIRouter(prefix="/console", include_in_schema=False)
 
@@ -29,13 +35,27 @@ MAX_LISTED = 200
 # How long a key-issuing form's nonce is remembered as used: longer than anyone keeps a tab to refresh.
 FORM_NONCE_TTL_S = 86_400
 MAX_NONCE_LEN = 64
+# api_keys.name's length.
+NAME_LENGTH = 128
+REVOKED = "The key was revoked: requests made with it are refused from now on."
 
 
-async def _keys(request: Request, customer: Customer) -> list[ApiKey]:
-    async with request.app.state.sessions() as db:
-        return list(await db.scalars(select(ApiKey).where(ApiKey.account_id == customer.account.id,
-                                                          ApiKey.revoked_at.is_(None))
-                                     .order_by(ApiKey.id.desc()).limit(MAX_LISTED)))
+async def _keys(request: Request, customer: Customer) -> list[tuple[ApiKey, str | None]]:
+    """The account's live keys, newest first, each with the email of the member who made it (None: an
+    operator, or the console's playground)."""
+    async with services_of(request).sessions() as db:
+        rows = await db.execute(select(ApiKey, ConsoleUser.email)
+                                .outerjoin(ConsoleUser, ConsoleUser.id == ApiKey.created_by_user_id)
+                                .where(ApiKey.account_id == customer.account.id, ApiKey.revoked_at.is_(None))
+                                .order_by(ApiKey.id.desc()).limit(MAX_LISTED))
+        return [(key, email) for key, email in rows]
+
+
+def _audit(db, customer: Customer, action: str, key: ApiKey, before: dict | None,  # noqa: ANN001 - an AsyncSession
+           **after: object) -> None:
+    """The key's change in the account's audit log, as the member's."""
+    record(db, actor_of(customer.user), action, "key", key.id, before, {**snapshot(key), **after},
+           account_id=customer.account.id)
 
 
 async def _page(request: Request, customer: Customer, *, status_code: int = 200, **context: object) -> Response:
@@ -43,8 +63,11 @@ async def _page(request: Request, customer: Customer, *, status_code: int = 200,
     return render(request, "keys.html", {"customer": customer, "keys": await _keys(request, customer), "now": now,
                                          "models": await plan_models(request, customer.account),
                                          "playground_name": PLAYGROUND_KEY_NAME,
-                                         "grace_hours": request.app.state.settings.console_rotation_grace_s / 3600,
-                                         "form_nonce": secrets.token_urlsafe(16), **context}, status_code=status_code)
+                                         "grace_hours": services_of(request).settings.console_rotation_grace_s / 3600,
+                                         "form_nonce": secrets.token_urlsafe(16),
+                                         "shared_key_warnings": await shared_keys_of(services_of(request),
+                                                                                     customer.account.id),
+                                         **context}, status_code=status_code)
 
 
 async def _first_submission(request: Request, customer: Customer, form: dict[str, str]) -> bool:
@@ -54,8 +77,8 @@ async def _first_submission(request: Request, customer: Customer, form: dict[str
     nonce = form.get("form_nonce", "")[:MAX_NONCE_LEN]
     if not nonce:
         return True
-    key = contract.console_form_key(customer.session.id_hash, nonce)
-    return bool(await request.app.state.redis.set(key, "1", nx=True, ex=FORM_NONCE_TTL_S))
+    key = keyspace.console_form_key(customer.session.id_hash, nonce)
+    return bool(await services_of(request).redis.set(key, "1", nx=True, ex=FORM_NONCE_TTL_S))
 
 
 def _already_submitted() -> Response:
@@ -63,8 +86,10 @@ def _already_submitted() -> Response:
 
 
 @router.get("/keys")
-async def keys_page(request: Request, customer: ConsoleCustomer) -> Response:
-    return await _page(request, customer, resubmitted=request.query_params.get("resubmitted") == "1")
+async def keys_page(request: Request, customer: KeysMember) -> Response:
+    revoked = request.query_params.get("done") == "revoked"
+    return await _page(request, customer, resubmitted=request.query_params.get("resubmitted") == "1",
+                       flash=REVOKED if revoked else "")
 
 
 def _limits_from_form(form: dict[str, str], models: list[str]) -> KeyCreate:
@@ -92,7 +117,7 @@ def _limits_from_form(form: dict[str, str], models: list[str]) -> KeyCreate:
 
 
 @router.post("/keys")
-async def create_key(request: Request, customer: ConsoleCustomer, form: ConsoleForm) -> Response:
+async def create_key(request: Request, customer: KeysMember, form: ConsoleForm) -> Response:
     models = await plan_models(request, customer.account)
     try:
         limits = _limits_from_form(form, models)
@@ -100,10 +125,11 @@ async def create_key(request: Request, customer: ConsoleCustomer, form: ConsoleF
         return await _page(request, customer, error=str(exc), status_code=400)
     if not await _first_submission(request, customer, form):
         return _already_submitted()
-    async with request.app.state.sessions() as db, db.begin():
+    async with services_of(request).sessions() as db, db.begin():
         issued = await issue_key(db, customer.account, limits.name, KeyLimitsUpdate(
             expires_at=limits.expires_at, allowed_models=limits.allowed_models, daily_limit=limits.daily_limit,
-            max_inflight=limits.max_inflight))
+            max_inflight=limits.max_inflight), created_by_user_id=customer.user.id)
+        _audit(db, customer, "key.create", await db.get(ApiKey, issued.key_id), None)
     return await _page(request, customer, created_secret=issued.secret, created_id=issued.key_id,
                        status_code=201)
 
@@ -118,27 +144,33 @@ async def _own_key(db, customer: Customer, key_id: int) -> ApiKey:  # noqa: ANN0
 
 
 @router.post("/keys/{key_id}/revoke")
-async def revoke_key(request: Request, key_id: KeyId, customer: ConsoleCustomer, form: ConsoleForm) -> Response:
-    async with request.app.state.sessions() as db, db.begin():
+async def revoke_key(request: Request, key_id: KeyId, customer: KeysMember, form: ConsoleForm) -> Response:
+    async with services_of(request).sessions() as db, db.begin():
         key = await _own_key(db, customer, key_id)
-        key.revoked_at = datetime.now(UTC)
-    return RedirectResponse("/console/keys", status_code=303)
+        before = snapshot(key)
+        revoke(key)
+        _audit(db, customer, "key.revoke", key, before)
+    return RedirectResponse("/console/keys?done=revoked", status_code=303)
+
+
+def rotated_name(name: str, now: datetime) -> str:
+    """The name the outgoing key of a rotation takes, so that it reads apart from its replacement (which
+    keeps the name: code and the Playground find their key by it): "backend (rotated 2026-12-06)"."""
+    suffix = f" (rotated {now:%Y-%m-%d})"
+    return (name or "Unnamed")[: NAME_LENGTH - len(suffix)] + suffix
 
 
 @router.post("/keys/{key_id}/rotate")
-async def rotate_key(request: Request, key_id: KeyId, customer: ConsoleCustomer, form: ConsoleForm) -> Response:
+async def rotate_key(request: Request, key_id: KeyId, customer: KeysMember, form: ConsoleForm) -> Response:
     """A new key with the same name and limits; the old one keeps working for the grace period."""
-    grace = timedelta(seconds=request.app.state.settings.console_rotation_grace_s)
+    grace = timedelta(seconds=services_of(request).settings.console_rotation_grace_s)
     if not await _first_submission(request, customer, form):
         return _already_submitted()
-    async with request.app.state.sessions() as db, db.begin():
+    async with services_of(request).sessions() as db, db.begin():
         old = await _own_key(db, customer, key_id)
-        original_expiry = old.expires_at  # the new key keeps it: rotating must not make a key immortal
-        ends = datetime.now(UTC) + grace
-        if old.expires_at is None or ends < old.expires_at:
-            old.expires_at = ends
-        issued = await issue_key(db, customer.account, old.name, KeyLimitsUpdate(
-            allowed_models=old.allowed_models, daily_limit=old.daily_limit, max_inflight=old.max_inflight,
-            expires_at=original_expiry))
+        before = snapshot(old)
+        issued = await rotate(db, old, grace, old.name)
+        old.name = rotated_as = rotated_name(old.name, datetime.now(UTC))
+        _audit(db, customer, "key.rotate", old, before, replaced_by=issued.key_id)
     return await _page(request, customer, created_secret=issued.secret, created_id=issued.key_id, rotated=key_id,
-                       status_code=201)
+                       rotated_as=rotated_as, status_code=201)

@@ -22,11 +22,17 @@ def _address_hash(address: str) -> str:
     return hashlib.sha256(address.lower().encode()).hexdigest()[:16]
 
 
+class MailError(Exception):
+    """The mail server could not be reached or refused the message."""
+
+
 class Mailer:
     def __init__(self, settings: GatewaySettings) -> None:
         self._settings = settings
 
-    async def send(self, to: str, subject: str, text: str) -> None:
+    async def send(self, to: str, subject: str, text: str, *, raise_errors: bool = False) -> None:
+        """Send (or, without SMTP, log) one email. ``raise_errors``: an SMTP failure is raised as
+        :class:`MailError` (for a caller that retries), not only logged."""
         settings = self._settings
         if not settings.smtp_host:
             if settings.local_mode:  # a local operator opens the link from the log
@@ -45,6 +51,8 @@ class Mailer:
             # Logged without the body: it holds a one-time link.
             log.exception("could not send a console email to %s through %s:%s", to, settings.smtp_host,
                           settings.smtp_port)
+            if raise_errors:
+                raise MailError(f"the mail server {settings.smtp_host}:{settings.smtp_port} did not take it") from None
 
     def _deliver(self, message: EmailMessage) -> None:
         settings = self._settings

@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import HTMLResponse
 from fastapi.templating import Jinja2Templates
 from jinja2 import Environment, FileSystemLoader, select_autoescape
+from flatfare.gateway.app_state import services_of
 
 HERE = Path(__file__).parent
 TEMPLATES_DIR = HERE / "templates"
@@ -24,9 +25,11 @@ def build_templates() -> Jinja2Templates:
 def render(request: Request, name: str, context: dict[str, Any] | None = None, *,
            status_code: int = 200) -> HTMLResponse:
     """Render template ``name`` with ``context`` plus what base.html uses: the session (``console``),
-    its CSRF token (``csrf_token``), the settings and the current path (for the nav)."""
+    its CSRF token (``csrf_token``), the settings, the current path and what the member's role opens
+    (``areas``, for the nav)."""
     session = getattr(request.state, "console_session", None)
     base = {"console": session, "csrf_token": session.csrf if session else "",
-            "settings": request.app.state.settings, "path": request.url.path}
-    templates: Jinja2Templates = request.app.state.console_templates
+            "settings": services_of(request).settings, "path": request.url.path,
+            "areas": getattr(request.state, "console_areas", frozenset())}
+    templates: Jinja2Templates = services_of(request).console_templates
     return templates.TemplateResponse(request, name, {**base, **(context or {})}, status_code=status_code)

@@ -17,16 +17,17 @@ from sqlalchemy import select
 from starlette.background import BackgroundTask
 
 from flatfare.contract import Endpoint
-from flatfare.gateway.auth import Caller, KeyLimits
-from flatfare.gateway.console.deps import ConsoleCustomer, CsrfChecked, Customer
+from flatfare.gateway.auth import Caller, caller_of
+from flatfare.gateway.console.deps import CsrfChecked, Customer, KeysMember
 from flatfare.gateway.console.keys import PLAYGROUND_KEY_NAME
-from flatfare.gateway.console.models import plan_models
+from flatfare.gateway.console.plan_models import plan_models
 from flatfare.gateway.console.pages import render
 from flatfare.gateway.errors import APIError, error_body
 from flatfare.gateway.openai.asgi import read_body
-from flatfare.gateway.openai.service import Call
+from flatfare.gateway.openai.relay import Call
 from flatfare.storage.accounts import issue_key
 from flatfare.storage.models import Account, AccountStatus, ApiKey
+from flatfare.gateway.app_state import services_of
 
 router = APIRouter(prefix="/console", include_in_schema=False)
 
@@ -47,16 +48,16 @@ class PlaygroundChat(BaseModel):
 
 
 @router.get("/playground")
-async def playground_page(request: Request, customer: ConsoleCustomer) -> Response:
+async def playground_page(request: Request, customer: KeysMember) -> Response:
     return render(request, "playground.html", {"customer": customer, "key_name": PLAYGROUND_KEY_NAME,
-                                               "models": await plan_models(request, customer.account)})
+                                               "models": await plan_models(request, customer.account, chat=True)})
 
 
 async def playground_caller(request: Request, customer: Customer) -> Caller:
     """The account's playground key as the API's authenticator would return it (made if the account has
     none that works)."""
     now = datetime.now(UTC)
-    async with request.app.state.sessions() as db, db.begin():
+    async with services_of(request).sessions() as db, db.begin():
         account = await db.get(Account, customer.account.id)
         if account.status != AccountStatus.ACTIVE:
             raise APIError(403, f"The account '{account.name}' is {account.status.replace('_', ' ')}; "
@@ -68,14 +69,11 @@ async def playground_caller(request: Request, customer: Customer) -> Caller:
             key = await db.get(ApiKey, (await issue_key(db, account, PLAYGROUND_KEY_NAME)).key_id)
         key.last_used_at = now
         db.expunge(account)
-        models = key.allowed_models
-        limits = KeyLimits(key.name, key.prefix, None if models is None else tuple(models), key.daily_limit,
-                           key.max_inflight)
-        return Caller(account_id=account.id, account_name=account.name, key_id=key.id, account=account, key=limits)
+        return caller_of(account, key)
 
 
 @router.post("/playground/chat")
-async def chat(request: Request, customer: ConsoleCustomer, _: CsrfChecked) -> Response:
+async def chat(request: Request, customer: KeysMember, _: CsrfChecked) -> Response:
     raw = await read_body(request.receive, request.headers.get("content-length"), MAX_CHAT_BYTES)
     try:
         chat = PlaygroundChat.model_validate_json(raw)
@@ -87,7 +85,7 @@ async def chat(request: Request, customer: ConsoleCustomer, _: CsrfChecked) -> R
                          "stream_options": {"include_usage": True}})
     caller = await playground_caller(request, customer)
     try:
-        answer = await request.app.state.completions.handle(Endpoint.CHAT, body, caller, Call({}))
+        answer = await services_of(request).completions.handle(Endpoint.CHAT, body, caller, Call({}))
     except APIError as exc:
         return Response(orjson.dumps(error_body(exc.status, exc.message, param=exc.param, code=exc.code)),
                         status_code=exc.status, media_type="application/json", headers=exc.headers)

@@ -1,13 +1,15 @@
-"""The quick-start page: the customer's base URL and SDK snippets for a model their plan allows."""
+"""The quick-start page: the customer's base URL and SDK snippets for a chat model their plan allows (the
+platform's default chat model unless another is picked; never an embedding model, which chat refuses)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from flatfare.gateway.console.deps import ConsoleCustomer
-from flatfare.gateway.console.models import plan_models
+from flatfare.gateway.console.deps import KeysMember
+from flatfare.gateway.console.plan_models import plan_models
 from flatfare.gateway.console.pages import render
+from flatfare.gateway.app_state import services_of
 
 router = APIRouter(prefix="/console", include_in_schema=False)
 
@@ -42,12 +44,12 @@ console.log(reply.choices[0].message.content);""",
 
 
 @router.get("/quickstart")
-async def quickstart(request: Request, customer: ConsoleCustomer) -> Response:
-    settings = request.app.state.settings
+async def quickstart(request: Request, customer: KeysMember) -> Response:
+    settings = services_of(request).settings
     # The operator's public URL when set; otherwise the address this page was reached at.
     public = settings.public_url if "public_url" in settings.model_fields_set else str(request.base_url)
     base_url = public.rstrip("/") + "/v1"
-    models = await plan_models(request, customer.account)
+    models = await plan_models(request, customer.account, chat=True)
     model = request.query_params.get("model")
     if model not in models:
         model = models[0] if models else "MODEL"

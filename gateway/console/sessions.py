@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 from starlette.requests import Request
 from starlette.responses import Response
 
-from flatfare.contract import console_session_key, console_user_sessions_key
+from flatfare.gateway.console.keyspace import console_session_key, console_user_sessions_key
 
 # 256 random bits, URL-safe: 43 characters. A cookie of any other shape is not looked up.
 _ID_BYTES = 32

@@ -22,6 +22,7 @@ from flatfare.gateway.console.mail import Mailer
 from flatfare.gateway.console.pages import render
 from flatfare.gateway.console.ratelimit import address_subject
 from flatfare.storage.models import ConsoleUser
+from flatfare.gateway.app_state import services_of
 
 router = APIRouter(prefix="/console", include_in_schema=False)
 
@@ -32,17 +33,17 @@ LINK_STALE = "This link has expired or was already used. Ask for a new one."
 
 
 def _link(request: Request, path: str) -> str:
-    return request.app.state.settings.public_url.rstrip("/") + path
+    return services_of(request).settings.public_url.rstrip("/") + path
 
 
 @router.get("/signup")
 async def signup_page(request: Request) -> Response:
-    return await anonymous_page(request, "signup.html", {"closed": not request.app.state.settings.console_signup})
+    return await anonymous_page(request, "signup.html", {"closed": not services_of(request).settings.console_signup})
 
 
 @router.post("/signup")
 async def signup(request: Request, form: ConsoleForm) -> Response:
-    settings = request.app.state.settings
+    settings = services_of(request).settings
     if not settings.console_signup:
         return render(request, "signup.html", {"closed": True}, status_code=403)
     attempts = limiter(request)
@@ -58,16 +59,16 @@ async def signup(request: Request, form: ConsoleForm) -> Response:
     except users.ConsoleUserError as exc:
         return render(request, "signup.html", {"error": str(exc), "email": raw_email}, status_code=400)
     verify = settings.console_require_email_verification
-    user = await users.create_customer(request.app.state.sessions, email, password, verified=not verify)
+    user = await users.create_customer(services_of(request).sessions, email, password, verified=not verify)
     mailer = Mailer(settings)
     if verify:
         if user is None:  # taken: an address never confirmed gets a fresh link (the first may be lost)
-            async with request.app.state.sessions() as db:
+            async with services_of(request).sessions() as db:
                 existing = await users.find_user(db, email)
             if existing is not None and existing.email_verified_at is None:
                 user = existing
         if user is not None:
-            token = await tokens.issue(request.app.state.redis, tokens.VERIFY, user.id, settings.console_link_ttl_s)
+            token = await tokens.issue(services_of(request).redis, tokens.VERIFY, user.id, settings.console_link_ttl_s)
             await mailer.send(email, "Confirm your Flatfare account",
                               f"Open this link to confirm your email: {_link(request, '/console/verify/' + token)}")
         else:
@@ -87,10 +88,10 @@ async def signup(request: Request, form: ConsoleForm) -> Response:
 
 @router.get("/verify/{token}")
 async def verify(request: Request, token: Token) -> Response:
-    user_id = await tokens.take(request.app.state.redis, tokens.VERIFY, token)
+    user_id = await tokens.take(services_of(request).redis, tokens.VERIFY, token)
     if user_id is None:
         return await anonymous_page(request, "login.html", {"error": LINK_STALE}, status_code=400)
-    async with request.app.state.sessions() as db, db.begin():
+    async with services_of(request).sessions() as db, db.begin():
         user = await db.get(ConsoleUser, user_id, with_for_update=True)
         if user is not None and user.email_verified_at is None:
             user.email_verified_at = datetime.now(UTC)
@@ -104,7 +105,7 @@ async def reset_page(request: Request) -> Response:
 
 @router.post("/reset")
 async def request_reset(request: Request, form: ConsoleForm) -> Response:
-    settings = request.app.state.settings
+    settings = services_of(request).settings
     attempts = limiter(request)
     subject = address_subject(client_address(request))
     if await attempts.blocked(subject):
@@ -114,10 +115,10 @@ async def request_reset(request: Request, form: ConsoleForm) -> Response:
         email = users.normalize_email(form.get("email", "")[: users.MAX_EMAIL_LENGTH + 1])
     except users.ConsoleUserError as exc:
         return render(request, "reset.html", {"error": str(exc)}, status_code=400)
-    async with request.app.state.sessions() as db:
+    async with services_of(request).sessions() as db:
         user = await users.find_user(db, email)
     if user is not None:
-        token = await tokens.issue(request.app.state.redis, tokens.RESET, user.id, settings.console_link_ttl_s)
+        token = await tokens.issue(services_of(request).redis, tokens.RESET, user.id, settings.console_link_ttl_s)
         await Mailer(settings).send(email, "Reset your Flatfare password",
                                     f"Open this link to choose a new password: "
                                     f"{_link(request, '/console/reset/' + token)}\n"
@@ -127,22 +128,22 @@ async def request_reset(request: Request, form: ConsoleForm) -> Response:
 
 @router.get("/reset/{token}")
 async def reset_form(request: Request, token: Token) -> Response:
-    if await tokens.peek(request.app.state.redis, tokens.RESET, token) is None:
+    if await tokens.peek(services_of(request).redis, tokens.RESET, token) is None:
         return await anonymous_page(request, "reset.html", {"error": LINK_STALE}, status_code=400)
     return await anonymous_page(request, "reset.html", {"token": token})
 
 
 @router.post("/reset/{token}")
 async def reset_password(request: Request, token: Token, form: ConsoleForm) -> Response:
-    settings = request.app.state.settings
+    settings = services_of(request).settings
     password = form.get("password", "")
     try:
         users.check_new_password(password, settings.console_min_password_length)
     except users.ConsoleUserError as exc:
         return render(request, "reset.html", {"token": token, "error": str(exc)}, status_code=400)
-    user_id = await tokens.take(request.app.state.redis, tokens.RESET, token)
+    user_id = await tokens.take(services_of(request).redis, tokens.RESET, token)
     if user_id is None:
         return render(request, "reset.html", {"error": LINK_STALE}, status_code=400)
-    await users.set_password(request.app.state.sessions, user_id, password, verify_email=True)
+    await users.set_password(services_of(request).sessions, user_id, password, verify_email=True)
     await sessions_of(request).end_all(user_id)
     return RedirectResponse("/console/login?done=reset", status_code=303)

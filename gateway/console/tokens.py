@@ -8,7 +8,7 @@ import secrets
 
 from redis.asyncio import Redis
 
-from flatfare.contract import console_token_key
+from flatfare.gateway.console.keyspace import console_token_key
 
 RESET = "reset"
 VERIFY = "verify"

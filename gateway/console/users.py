@@ -11,8 +11,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from flatfare.gateway.console.passwords import MAX_PASSWORD_LENGTH, hash_password, verify_password
-from flatfare.storage.accounts import ensure_account
-from flatfare.storage.models import Account, ConsoleUser
+from flatfare.billing.plan_change import ensure_account
+from flatfare.gateway.console.members import add_member
+from flatfare.storage.models import Account, ConsoleUser, MemberRole
 
 FREE_PLAN = "free"
 MAX_EMAIL_LENGTH = 254
@@ -48,8 +49,8 @@ async def find_user(session: AsyncSession, email: str) -> ConsoleUser | None:
 async def create_customer(sessions: async_sessionmaker[AsyncSession], email: str, password: str, *,
                           verified: bool) -> ConsoleUser | None:
     """A new user with a new account (named after the email, on Free, made by
-    :func:`flatfare.storage.accounts.ensure_account`); None when the email, or an account of that name,
-    is taken (the caller must not say which)."""
+    :func:`flatfare.billing.plan_change.ensure_account`), which they own; None when the email, or an
+    account of that name, is taken (the caller must not say which)."""
     password_hash = await hash_password(password)
     async with sessions() as session:
         taken = await session.scalar(select(func.count()).select_from(Account).where(Account.name == email))
@@ -60,6 +61,8 @@ async def create_customer(sessions: async_sessionmaker[AsyncSession], email: str
             user = ConsoleUser(email=email, password_hash=password_hash, account_id=account.id, is_admin=False,
                                email_verified_at=datetime.now(UTC) if verified else None)
             session.add(user)
+            await session.flush()
+            await add_member(session, account.id, user.id, MemberRole.OWNER.value)
             await session.commit()
         except IntegrityError:  # the same email signed up at the same moment
             await session.rollback()
@@ -70,9 +73,22 @@ async def create_customer(sessions: async_sessionmaker[AsyncSession], email: str
 
 async def create_user(session: AsyncSession, email: str, password: str, *, account_id: int | None = None,
                       is_admin: bool = False) -> ConsoleUser:
-    """A user made by an operator (invite-only consoles, admin users): verified, not committed."""
+    """A user made by an operator (invite-only consoles, admin users): verified, an owner of
+    ``account_id`` if given, not committed."""
     user = ConsoleUser(email=normalize_email(email), password_hash=await hash_password(password),
                        account_id=account_id, is_admin=is_admin, email_verified_at=datetime.now(UTC))
+    session.add(user)
+    await session.flush()
+    if account_id is not None:
+        await add_member(session, account_id, user.id, MemberRole.OWNER.value)
+    return user
+
+
+async def create_invited(session: AsyncSession, email: str, password: str) -> ConsoleUser:
+    """A user signing up through an invitation's link (which proves the mailbox: verified), with no
+    account yet: accepting the invitation gives them one. Not committed."""
+    user = ConsoleUser(email=email, password_hash=await hash_password(password), account_id=None, is_admin=False,
+                       email_verified_at=datetime.now(UTC))
     session.add(user)
     await session.flush()
     return user

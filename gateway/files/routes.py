@@ -14,12 +14,13 @@ from flatfare.gateway.deps import CurrentCaller
 from flatfare.gateway.errors import ERROR_RESPONSES, APIError
 from flatfare.gateway.files.protocol import UPLOAD_PURPOSES, FileDeleted, FileList, FileObject
 from flatfare.gateway.files.service import FileService
+from flatfare.gateway.app_state import services_of
 
 router = APIRouter(prefix="/v1", tags=["files"], responses=ERROR_RESPONSES)
 
 
 async def _files(request: Request) -> FileService:
-    return request.app.state.files
+    return services_of(request).files
 
 
 FilesDep = Annotated[FileService, Depends(_files)]

@@ -6,7 +6,7 @@ dependency solving and middleware stack (a third of the gateway's CPU a request,
 bench/results/profile.md): :class:`CompletionRoutes` wraps the FastAPI application from outside
 (Starlette's own outermost layer cost 5 % more), reads the few headers it needs, the bounded body,
 authenticates, hands the rest to :class:`~flatfare.gateway.openai.service.CompletionService`, and sends its
-:class:`~flatfare.gateway.openai.service.Answer` itself, with the same metrics, log line, rate-limit headers and
+:class:`~flatfare.gateway.openai.relay.Answer` itself, with the same metrics, log line, rate-limit headers and
 OpenAI error bodies as every other route. FastAPI still declares them (gateway/openai/routes.py),
 so ``/docs`` and ``/openapi.json`` document them; every other request, and the lifespan, pass
 through to FastAPI untouched.
@@ -24,22 +24,27 @@ from redis.exceptions import RedisError
 from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 
+from flatfare import tracecontext
 from flatfare.billing.quota import QuotaUnavailable
 from flatfare.contract import ENDPOINT_PATHS, Endpoint
 from flatfare.gateway.auth import Caller
-from flatfare.gateway.openai.service import CLIENT_CLOSED, Answer, Call
+from flatfare.gateway.openai.relay import CLIENT_CLOSED, Answer, Call
 from flatfare.gateway.errors import APIError, database_unavailable, error_body, queue_unreachable
-from flatfare.gateway.metrics import GatewayMetrics, observe
+from flatfare.gateway.metrics import GatewayMetrics, error_code, observe
 from flatfare.gateway.quota_headers import current_headers
+from flatfare.logs import bind
 from flatfare.redis_conn import REDIS_DOWN
 from flatfare.storage.db import DATABASE_DOWN
+from flatfare.gateway.app_state import Services
+from flatfare.tracing import Tracer
 
 log = logging.getLogger("flatfare.gateway")
 
 # Every job kind's route (chat, completions, embeddings): each goes through the same service.
 ROUTES = {path: endpoint for endpoint, path in ENDPOINT_PATHS.items()}
 # The request headers the service reads (ASGI gives names lower-cased, as bytes).
-_WANTED = {b"authorization", b"content-length", b"idempotency-key", b"x-flatfare-max-queue-ms"}
+_WANTED = {b"authorization", b"content-length", b"idempotency-key", b"x-flatfare-max-queue-ms", b"traceparent",
+           b"user-agent"}
 # uvicorn (httptools) accepts any header size; these are the bounds every route gets (431 past them).
 MAX_HEADERS = 100
 MAX_HEADER_BYTES = 64 * 1024
@@ -50,9 +55,10 @@ class CompletionRoutes:
     """The gateway's ASGI application: the FastAPI app, with the completion routes served in front of
     it. Anything else asked of it (``state``, ``openapi()``, ``routes``) is the FastAPI app's."""
 
-    def __init__(self, api: FastAPI, metrics: GatewayMetrics) -> None:
+    def __init__(self, api: FastAPI, metrics: GatewayMetrics, tracer: Tracer | None = None) -> None:
         self.api = api
         self.metrics = metrics
+        self.tracer = tracer
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.api, name)
@@ -73,19 +79,30 @@ class CompletionRoutes:
 
     async def _serve(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
-        state = self.api.state
+        state: Services = self.api.state.services
         headers = {name.decode(): value.decode("latin-1") for name, value in scope["headers"] if name in _WANTED}
-        call = Call(headers, lambda c: _watch(receive, c))
+        # scope["client"]: the peer, or the address a trusted proxy forwarded (uvicorn's and granian's
+        # proxy-header handling, from FLATFARE_FORWARDED_ALLOW_IPS), as the console's login lock sees it.
+        peer = scope.get("client")
+        call = Call(headers, lambda c: _watch(receive, c), client=peer[0] if peer else None)
+        if self.tracer is None:
+            trace = tracecontext.continue_or_start(headers.get(tracecontext.HEADER))
+        else:  # sampled here, at the edge: the job's traceparent carries the decision on
+            trace, call.spans = self.tracer.start(f"POST {scope['path']}", headers.get(tracecontext.HEADER),
+                                                  kind="server", **{"http.request.method": "POST",
+                                                                    "http.route": scope["path"]})
+        bind(**trace.log_fields())
+        call.traceparent = trace.header()
         caller: Caller | None = None
         status = 500
+        code: str | None = "internal_error"
         request_id: str | None = None
         self.metrics.in_progress.inc()
         try:
             try:
                 caller = await state.authenticator.authenticate(headers.get("authorization"))
                 raw = await read_body(receive, headers.get("content-length"), state.settings.max_body_bytes)
-                answer = await (state.responses.create(raw, caller, call) if endpoint is Endpoint.RESPONSES
-                                else state.completions.handle(endpoint, raw, caller, call))
+                answer = await state.completions.handle(endpoint, raw, caller, call)
             except APIError as exc:
                 answer = await _error(exc, state, caller, call)
             except RedisError:
@@ -94,8 +111,11 @@ class CompletionRoutes:
                 answer = await _error(database_unavailable(), state, None, call)
             request_id = answer.headers.get("x-request-id")
             status = answer.status
+            code = error_code(answer.body) if status >= 400 else None
             if status != CLIENT_CLOSED or not call.gone:
                 await _send(answer, call, send)
+            if call.spans is not None:
+                call.spans.end("relay")
             if answer.after is not None:
                 await answer.after()
         except Exception:
@@ -113,7 +133,10 @@ class CompletionRoutes:
             plan = labels.get("plan") or (caller.account.plan if caller is not None else "")
             observe(self.metrics, "POST", scope["path"], status, time.perf_counter() - started,
                     request_id=request_id, caller=caller, plan=plan, model=labels.get("model", ""),
-                    lane=labels.get("lane", ""))
+                    lane=labels.get("lane", ""), code=code)
+            if call.spans is not None:
+                call.spans.finish(status, code, **{"flatfare.request_id": request_id, "flatfare.plan": plan,
+                                                   "flatfare.model": labels.get("model")})
 
 
 def _headers_too_large(headers: list[tuple[bytes, bytes]]) -> bool:
@@ -151,7 +174,7 @@ async def _watch(receive: Receive, call: Call) -> None:
     call.left()
 
 
-async def _error(exc: APIError, state: object, caller: Caller | None, call: Call) -> Answer:
+async def _error(exc: APIError, state: Services, caller: Caller | None, call: Call) -> Answer:
     headers = dict(exc.headers)
     limits = call.ratelimit
     if limits is None and caller is not None and exc.status != CLIENT_CLOSED:
@@ -174,6 +197,8 @@ async def _send(answer: Answer, call: Call, send: Send) -> None:
     limits = call.ratelimit or {}
     for name, value in (*answer.headers.items(), *((k, v) for k, v in limits.items() if k not in answer.headers)):
         raw_headers.append((name.lower().encode(), value.encode("latin-1")))
+    if call.traceparent:
+        raw_headers.append((b"traceparent", call.traceparent.encode()))
     await send({"type": "http.response.start", "status": answer.status, "headers": raw_headers})
     if answer.stream is None:
         await send({"type": "http.response.body", "body": answer.body})

@@ -12,7 +12,7 @@ from __future__ import annotations
 from flatfare.gateway.errors import APIError
 from flatfare.gateway.openai.media import media_refs
 from flatfare.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-from flatfare.gateway.pools import CatalogEntry
+from flatfare.gateway.jobpath.pools import CatalogEntry
 from flatfare.gateway.responses.protocol import ResponsesRequest
 
 CODE = "unsupported_capability"

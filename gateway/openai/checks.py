@@ -13,10 +13,9 @@ from flatfare.billing.plans import AccountTerms, PlanRules
 from flatfare.storage.models import RequestRecord
 from flatfare.gateway.auth import KeyLimits
 from flatfare.gateway.errors import APIError, invalid
-from flatfare.gateway.pools import Pool
+from flatfare.gateway.jobpath.pools import Pool
 from flatfare.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
-IDEMPOTENCY_WINDOW_S = 24 * 3600
 MAX_IDEMPOTENCY_KEY = 255
 
 
@@ -100,5 +99,6 @@ def idempotency_key_of(headers: dict[str, str]) -> str | None:
     return key
 
 
-def expired(record: RequestRecord, now: datetime) -> bool:
-    return (now - record.created_at).total_seconds() > IDEMPOTENCY_WINDOW_S
+def expired(record: RequestRecord, now: datetime, window_s: int) -> bool:
+    """Whether an idempotent request's row is past the window in which a retry replays it."""
+    return (now - record.created_at).total_seconds() > window_s

@@ -15,7 +15,7 @@ from flatfare.gateway.errors import invalid
 from flatfare.gateway.openai.prompt_length import (BYTES_PER_TOKEN_ESTIMATE, TOKENS_PER_PROMPT, TokenCounter,
                                                    prompt_too_long, utf8_bytes)
 from flatfare.gateway.openai.protocol import EmbeddingRequest
-from flatfare.gateway.pools import Pool
+from flatfare.gateway.jobpath.pools import Pool
 
 
 def check_embedding_caps(parsed: EmbeddingRequest, plan: PlanRules) -> None:

@@ -10,7 +10,7 @@ some characters into many, even NFC splits a few) can exceed the bound on text m
 characters; the default model's (SmolLM2) has no normalizer.
 
 Only a prompt whose bound passes the cap is tokenized, with the model's own tokenizer (its worker
-publishes it, see :mod:`flatfare.gateway.tokenizer_cache`), in a thread. Before any worker of the
+publishes it, see :mod:`flatfare.gateway.jobpath.tokenizer_cache`), in a thread. Before any worker of the
 model has published one, the count is :func:`PromptParts.estimate`: a quarter of the bytes (English
 text averages about four bytes a token), which lets a long prompt through rather than refuse it on a
 count known to be too high.
@@ -27,7 +27,7 @@ import orjson
 from flatfare.billing.plans import PlanRules
 from flatfare.gateway.errors import APIError, invalid
 from flatfare.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest
-from flatfare.gateway.tokenizer_cache import Counted
+from flatfare.gateway.jobpath.tokenizer_cache import Counted
 
 # Tokens a chat template wraps each message in (role markers, separators): SmolLM2's and Llama 3's
 # take 4 to 5.

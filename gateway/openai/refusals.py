@@ -11,7 +11,7 @@ from flatfare.billing.plans import AccountTerms, QuotaWindow
 from flatfare.billing.quota import QuotaUnavailable
 from flatfare.gateway.auth import Caller
 from flatfare.gateway.errors import APIError
-from flatfare.gateway.queueing import KeyQuotaSpent, QuotaSpent, TooManyInFlight
+from flatfare.gateway.jobpath.queueing import KeyQuotaSpent, KeyShared, QuotaSpent, TooManyInFlight
 from flatfare.gateway.quota_headers import ratelimit_headers
 
 
@@ -24,6 +24,11 @@ def key_ratelimit(limit: int, used: int) -> dict[str, str]:
 def refusal(exc: BaseException, terms: AccountTerms, window: QuotaWindow, now: datetime,
             caller: Caller) -> BaseException:
     """The client's error for a request the admission script refused (nothing was counted)."""
+    if isinstance(exc, KeyShared):
+        return APIError(429, f"The API key {caller.key.label} was used from {exc.inflight} other client addresses "
+                        f"in the last minutes, the most the {terms.plan.name} plan allows at once; a key is for one "
+                        "person or service: give each user a key of their own (the console's Keys page), or retry "
+                        "from one of those addresses.", code="key_shared_too_widely", headers={"Retry-After": "60"})
     if isinstance(exc, TooManyInFlight):
         if exc.key:
             return APIError(429, f"The API key {caller.key.label} has {exc.inflight} requests in flight, the most "

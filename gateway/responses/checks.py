@@ -9,7 +9,7 @@ import orjson
 from flatfare.billing.plans import PlanRules
 from flatfare.gateway.errors import invalid
 from flatfare.gateway.openai.prompt_length import TOKENS_PER_MESSAGE, PromptParts, TokenCounter, prompt_too_long
-from flatfare.gateway.pools import Pool
+from flatfare.gateway.jobpath.pools import Pool
 from flatfare.gateway.responses.protocol import ResponsesRequest
 
 

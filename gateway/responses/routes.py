@@ -1,6 +1,7 @@
 """A stored response's routes: ``GET /v1/responses/{id}``, ``DELETE`` and its input items. ``POST
 /v1/responses`` is a job kind's route, served in front of FastAPI like the others
-(:mod:`flatfare.gateway.openai.asgi`, which hands it to :class:`~flatfare.gateway.responses.service.ResponsesService`)."""
+(:mod:`flatfare.gateway.openai.asgi`; its conversation is the kind's turn,
+:mod:`flatfare.gateway.responses.turn`)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ from flatfare.gateway.deps import CurrentCaller
 from flatfare.gateway.errors import ERROR_RESPONSES
 from flatfare.gateway.responses.conversation import DEFAULT_PAGE, MAX_PAGE, page
 from flatfare.gateway.responses.protocol import MAX_RESPONSE_ID
-from flatfare.gateway.responses.service import not_found
+from flatfare.gateway.responses.turn import not_found
 from flatfare.gateway.responses.store import Kept, ResponseStore
+from flatfare.gateway.app_state import services_of
 
 router = APIRouter(prefix="/v1/responses", tags=["openai"], responses=ERROR_RESPONSES)
 
 
 async def _store(request: Request) -> ResponseStore:
-    return request.app.state.response_store
+    return services_of(request).response_store
 
 
 StoreDep = Annotated[ResponseStore, Depends(_store)]

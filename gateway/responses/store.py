@@ -26,6 +26,8 @@ class Kept:
 
     response: dict[str, Any]
     input_items: list[dict[str, Any]]
+    # Its size as stored (the JSON of both): what continuing it adds to a request.
+    size: int = 0
 
 
 class ResponseStore:
@@ -53,7 +55,9 @@ class ResponseStore:
             row = (await session.execute(select(StoredResponse.response, StoredResponse.input_items).where(
                 StoredResponse.id == response_id, StoredResponse.account_id == account_id,
                 StoredResponse.created_at > self._oldest_kept()))).first()
-        return None if row is None else Kept(orjson.loads(row.response), orjson.loads(row.input_items))
+        if row is None:
+            return None
+        return Kept(orjson.loads(row.response), orjson.loads(row.input_items), len(row.response) + len(row.input_items))
 
     async def delete(self, account_id: int, response_id: str) -> bool:
         async with self._sessions.begin() as session:

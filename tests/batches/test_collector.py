@@ -13,8 +13,11 @@ from flatfare.billing.ledger import Ledger
 from flatfare.billing.plans import quota_window
 from flatfare.contract import Endpoint, Job, Lane, Reply, ReplyKind, Usage
 from flatfare.gateway.batches.dispatcher import BatchDispatcher
-from flatfare.gateway.pools import Pools
-from flatfare.storage.accounts import ensure_account, issue_key
+from flatfare.gateway.openai.admission import Admission
+from flatfare.gateway.jobpath.plan_cache import PlanBook
+from flatfare.gateway.jobpath.pools import Pools
+from flatfare.storage.accounts import issue_key
+from flatfare.billing.plan_change import ensure_account
 from flatfare.storage.models import Batch, BatchLine, BatchLineStatus, BatchStatus, Plan, RequestRecord
 
 
@@ -36,7 +39,8 @@ async def _batch(sessions, lines: int) -> str:
 
 
 def _dispatcher(redis, sessions) -> BatchDispatcher:
-    return BatchDispatcher(redis, sessions, files=None, pools=Pools(redis, sessions, 0.5))  # type: ignore[arg-type]
+    pools = Pools(redis, sessions, 0.5)
+    return BatchDispatcher(redis, sessions, None, pools, Admission(pools), PlanBook(sessions, 0.5))  # type: ignore[arg-type]
 
 
 async def _reply(redis, line: int, reply: Reply) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from flatfare.gateway.batches.lines import line_price, not_run_line, output_line, parse_input
+from flatfare.gateway.batches.lines import not_run_line, output_line, parse_input
 
 
 def _line(custom_id: str, url: str = "/v1/chat/completions", **body: object) -> bytes:
@@ -31,13 +31,6 @@ def test_a_malformed_file_fails_at_its_first_bad_line() -> None:
     _, errors = parse_input([_line("a"), _line("a")], "/v1/chat/completions")
     assert [(e.code, e.line) for e in errors] == [("invalid_request", 2)]
     assert "custom_id" in errors[0].message
-
-
-def test_a_line_costs_the_plan_s_price_less_the_batch_discount() -> None:
-    assert line_price(2000, 50) == 1000
-    assert line_price(2000, 25) == 1500
-    assert line_price(999, 50) == 499  # rounded down: never above the discounted price
-    assert line_price(2000, 0) == 2000 and line_price(2000, 100) == 0 and line_price(2000, 150) == 0
 
 
 def test_output_and_error_lines_are_openai_s_shape() -> None:

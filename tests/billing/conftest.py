@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from flatfare.storage.accounts import IssuedKey, ensure_account, issue_key
+from flatfare.storage.accounts import IssuedKey, issue_key
+from flatfare.billing.plan_change import ensure_account
 
 
 async def account_with_key(sessions: async_sessionmaker[AsyncSession], name: str, plan: str = "pro", *,

@@ -14,10 +14,11 @@ from flatfare.billing.plans import quota_window
 from flatfare.billing.quota import EPOCH_KEY, DailyQuota, counter_key, expiry
 from flatfare import contract
 from flatfare.contract import Endpoint, Job, Lane
-from flatfare.storage.accounts import ensure_account, issue_key
+from flatfare.storage.accounts import issue_key
+from flatfare.billing.plan_change import ensure_account
 from flatfare.storage.models import RequestRecord, RequestStatus
 from flatfare.billing.held import LOST_CODE, HeldUnits
-from flatfare.gateway.queueing import LaneLimits, LaneQueue, QuotaClaim
+from flatfare.gateway.jobpath.queueing import LaneLimits, LaneQueue, QuotaClaim
 
 
 async def test_a_dead_gateways_units_are_settled_once(redis, sessions) -> None:

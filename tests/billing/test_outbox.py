@@ -20,7 +20,9 @@ from flatfare.billing.ledger import Charge, Ledger, Outcome
 from flatfare.billing.outbox import LEADER_KEY, OutboxSender, reconcile
 from flatfare.billing.stripe_client import StripeConfig, StripeGateway
 from flatfare.storage.models import Meter, RequestStatus, UsageOutbox
+from flatfare.tracing import Tracer, traces_url
 from tests.billing.conftest import account_with_key
+from tests.otlp_receiver import otlp_receiver
 
 DAY = "2026-12-03"
 CHARGE = Charge(plan="pro", price_micros=2000, quota_day=DAY)
@@ -113,6 +115,30 @@ async def test_a_refused_call_backs_off_and_is_tried_again(sessions, ledger, edg
     row = (await _rows(sessions))["r1"]
     assert (row.status, row.attempts, edge.deliveries["r1"]) == ("sent", 3, 3)
     assert [e["identifier"] for e in edge.meter_events] == ["r1"]
+
+
+async def test_each_send_is_a_span_naming_the_request_it_bills(sessions, ledger, edge) -> None:
+    """With tracing on, every send (a failed one too) is a span of its own trace, to a real OTLP receiver:
+    the outbox row keeps no trace, so flatfare.request_id is what joins it to its request's."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    await _billed(ledger, sessions, ["r1", "r2"])
+    edge.fail_meter_events = 1
+    with otlp_receiver() as receiver:
+        tracer = Tracer("flatfare-gateway", OTLPSpanExporter(endpoint=traces_url(receiver.url)), ratio=1.0)
+        sender = OutboxSender(sessions, _gateway(edge), tracer=tracer)
+        now = datetime.now(UTC)
+        try:
+            assert await sender.send_due(now) == 1
+            assert await sender.send_due(now + timedelta(seconds=1)) == 1
+        finally:
+            tracer.shutdown()  # exports what waits
+        sends = [s for s in receiver.spans if s.name == "outbox send"]
+    tries: dict[str, list[bool]] = {}  # each request's sends, in order: the one Stripe refused first, tried again
+    for span in sorted(sends, key=lambda s: s.attributes["flatfare.attempt"]):
+        tries.setdefault(span.attributes["flatfare.request_id"], []).append(span.attributes["flatfare.sent"])
+    assert sorted(tries) == ["r1", "r2"] and sorted(tries.values()) == [[False, True], [True]]
+    assert len({s.trace_id for s in sends}) == 3 and all(s.parent_id == "" for s in sends)
 
 
 async def test_the_backoff_is_capped(sessions, ledger, edge) -> None:

@@ -7,7 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from flatfare.billing.plans import PlanRules, account_terms, effective_plan_name, openai_duration, quota_window
+from flatfare.billing.plans import (PlanRules, account_terms, batch_line_price, effective_plan_name, openai_duration,
+                                    quota_window)
 from flatfare.storage.models import Account, Lane
 
 
@@ -73,3 +74,14 @@ def test_in_flight_cap_comes_from_the_account_override_then_the_plan() -> None:
     assert account_terms(Account(plan="enterprise", unlimited=True), plans, now).max_inflight is None
     assert account_terms(Account(plan="enterprise", max_inflight_override=128, unlimited=True), plans,
                          now).max_inflight == 128
+
+
+def test_a_batch_line_costs_the_plan_s_price_less_the_batch_discount() -> None:
+    def price(micros: int, discount: int) -> int:
+        return batch_line_price(replace(_plan("pro"), price_per_request_micros=micros,
+                                        batch_discount_percent=discount))
+
+    assert price(2000, 50) == 1000
+    assert price(2000, 25) == 1500
+    assert price(999, 50) == 499  # rounded down: never above the discounted price
+    assert price(2000, 0) == 2000 and price(2000, 100) == 0 and price(2000, 150) == 0

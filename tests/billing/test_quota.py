@@ -14,7 +14,7 @@ from flatfare import contract
 from flatfare.billing.plans import QuotaWindow, quota_window
 from flatfare.billing.quota import EPOCH_KEY, DailyQuota, QuotaUnavailable, counter_key, expiry
 from flatfare.contract import Endpoint, Job, Lane
-from flatfare.gateway.queueing import Admitted, LaneLimits, LaneQueue, QuotaClaim, QuotaSpent
+from flatfare.gateway.jobpath.queueing import Admitted, LaneLimits, LaneQueue, QuotaClaim, QuotaSpent
 from flatfare.gateway.quota_headers import ratelimit_headers
 from flatfare.redis_conn import connect
 

@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from flatfare.billing.stripe_client import InvalidWebhook, StripeConfig, StripeGateway
 from flatfare.billing.webhooks import WebhookProcessor
-from flatfare.storage.models import Account, StripeEvent
+from flatfare.storage.models import Account, AuditEntry, StripeEvent
 from tests.billing.conftest import account_with_key
 
 SECRET = "whsec_flatfare_test"
@@ -154,3 +154,16 @@ def test_a_bad_signature_is_refused(stripe, forgery: str) -> None:
         body, signature = _signed({"hello": "world"})  # type: ignore[arg-type]
     with pytest.raises(InvalidWebhook):
         stripe.verify_webhook(body, signature)
+
+
+async def test_a_subscription_s_plan_change_is_audited_as_stripe_s(sessions: async_sessionmaker[AsyncSession],
+                                                                  processor: WebhookProcessor) -> None:
+    """The webhook moves the plan through billing's one rule set, which records who moved it."""
+    assert await processor.apply(_subscription("evt_audit_1", 100)) == "plan pro, active"
+    assert await processor.apply(_subscription("evt_audit_2", 200, kind="customer.subscription.deleted",
+                                               status="canceled")) == "plan free"
+    async with sessions() as session:
+        entries = (await session.execute(select(AuditEntry.actor, AuditEntry.action, AuditEntry.before,
+                                                AuditEntry.after).order_by(AuditEntry.id))).all()
+    assert [(actor, action, before["plan"], after["plan"]) for actor, action, before, after in entries] == [
+        ("stripe", "account.plan", "free", "pro"), ("stripe", "account.plan", "pro", "free")]

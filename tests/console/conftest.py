@@ -18,7 +18,7 @@ import httpx
 import pytest
 import redis as redis_sync
 
-from flatfare import contract
+from flatfare.gateway.console import keyspace
 from tests.conftest import Stack, need, unavailable
 
 CHROMIUM = os.environ.get("FLATFARE_TEST_CHROMIUM", "/usr/bin/chromium")
@@ -47,7 +47,7 @@ def clear_attempts(redis_url: str) -> None:
     limit would otherwise be spent by the tests before it."""
     client = redis_sync.Redis.from_url(redis_url)
     try:
-        keys = list(client.scan_iter(match=contract.console_attempts_key("*", "*"), count=1000))
+        keys = list(client.scan_iter(match=keyspace.console_attempts_key("*", "*"), count=1000))
         if keys:
             client.delete(*keys)
     finally:

@@ -3,7 +3,8 @@ HTTP, every page renders, only an admin session reaches it, every write needs th
 token and the admin:write scope, goes through the admin API's services and lands in the audit log;
 in a real browser (Chromium, tests/console/conftest.py's ``page``), an admin changes a plan's daily
 limit and the customer's /v1/usage and console page show it. That test also takes the admin
-screenshots (docs/screenshots/admin-*.png, with FLATFARE_TEST_SCREENSHOTS=1)."""
+screenshots (docs/screenshots/admin-*.png, with FLATFARE_TEST_SCREENSHOTS=1). Teams' whole flow in the
+browser is here too (this stack has the admin API to check it with)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,13 @@ import re
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
+from flatfare.gateway.console.mail import LOG_MARK
 from tests.conftest import eventually, launch_stack, postgres_database
+from tests.console.conftest import PASSWORD, clear_attempts
+from tests.console.conftest import screenshot as console_screenshot
 
 pytestmark = pytest.mark.e2e
 
@@ -362,6 +367,45 @@ def test_platform_usage_counts_requests_and_revenue(astack, admin) -> None:
     assert client.get("/console/admin/usage", params={"days": 10_000}).status_code == 400
 
 
+def _plan_row(page: str, plan: str) -> str:
+    """The dashboard's row of ``plan`` in its "Each plan's promise" table."""
+    match = re.search(rf'<tr data-plan="{plan}">(.*?)</tr>', page, re.DOTALL)
+    assert match, f"no row for {plan} on the dashboard"
+    return match.group(1)
+
+
+def _first_tokens(row: str) -> int:
+    return int(re.search(r'<span class="muted">\(([\d,]+)\)</span>', row).group(1).replace(",", ""))
+
+
+def _quota_refusals(row: str) -> int:
+    found = re.search(r"quota ([\d,]+)<", row)
+    return int(found.group(1).replace(",", "")) if found else 0
+
+
+def test_the_dashboard_shows_each_plans_figures_against_its_target(astack, admin) -> None:
+    """A premium request lands in the premium row (its first token counted, against premium's target);
+    a pro account's quota 429 lands in pro's refusals."""
+    client, _ = admin
+    premium = astack.cli("keys", "create", "--account", "dash-premium", "--plan", "premium").stdout.strip()
+    limited = astack.cli("keys", "create", "--account", "dash-limited", "--plan", "pro").stdout.strip()
+    astack.sql("UPDATE accounts SET daily_limit_override = 1 WHERE name = 'dash-limited'")
+    page = client.get("/console/admin").text
+    before, refused = _first_tokens(_plan_row(page, "premium")), _quota_refusals(_plan_row(page, "pro"))
+    assert _chat(astack, premium).status_code == 200
+    assert _chat(astack, limited).status_code == 200
+    assert _chat(astack, limited).status_code == 429
+
+    def read() -> str:
+        return client.get("/console/admin").text
+
+    page = eventually(read, lambda p: _first_tokens(_plan_row(p, "premium")) == before + 1
+                      and _quota_refusals(_plan_row(p, "pro")) == refused + 1, "the requests on the dashboard")
+    row = _plan_row(page, "premium")
+    assert "5.00 s" in row and "2.00 s" in row  # premium's targets (gateway settings' defaults)
+    assert "Each plan's promise" in page
+
+
 def test_the_audit_log_is_paged_newest_first(astack, admin) -> None:
     client, _ = admin
     for limit in range(1, 56):
@@ -502,3 +546,97 @@ def test_an_admin_changes_a_plans_daily_limit_in_the_browser_and_the_customer_se
         assert problems == []
     finally:
         astack.api.patch(f"/plans/{original}", json={"daily_limit": limit_before})
+
+
+INVITE_LINK = re.compile(r"/console/invite/[A-Za-z0-9_-]{43}")
+
+
+def _invite_link(astack, email: str) -> str:
+    """The invitation's link (its path on this stack: the email names the gateway's public_url)."""
+    def links() -> list[str]:
+        log = (astack.logs / "gateway.log").read_text(errors="replace")
+        return [INVITE_LINK.search(line).group(0) for line in log.splitlines()
+                if LOG_MARK in line and f"to={email}" in line and INVITE_LINK.search(line)]
+
+    return astack.base_url + eventually(links, bool, f"the invitation for {email} in the gateway's log")[-1]
+
+
+def test_a_team_in_the_browser_invite_accept_key_remove_revokes(  # noqa: ANN001, PLR0915
+        astack, admin, page, browser, tmp_path) -> None:
+    """Teams, the whole way: an owner invites a developer by email, who accepts in a browser of their own
+    (signing up through the link) and makes a key that the openai SDK can use; the owner sees who made
+    it, removes the developer, and the key is refused (401) from then on; the admin API and the admin
+    console list the account's members, the API its audit entries. Takes the team page's screenshots (1280 and 390 px wide)."""
+    base = astack.base_url
+    owner_email, dev_email = f"owner-{os.urandom(4).hex()}@example.com", f"dev-{os.urandom(4).hex()}@example.com"
+    problems: list[str] = []
+    page.on("console", lambda message: problems.append(message.text) if message.type == "error" else None)
+    page.on("dialog", lambda dialog: dialog.accept())  # the Remove confirmation
+    clear_attempts(astack.redis_url)
+    page.goto(f"{base}/console/signup")
+    page.fill("input[name=email]", owner_email)
+    page.fill("input[name=password]", PASSWORD)
+    page.click("button:has-text('Create account')")
+    page.wait_for_url(f"{base}/console?done=welcome")
+    account_id = astack.sql("SELECT account_id FROM console_users WHERE email = :e", e=owner_email)[0][0]
+
+    page.click("nav >> text=Team")
+    page.fill("#invite-form input[name=email]", dev_email)
+    page.select_option("#invite-form select[name=role]", "developer")
+    page.click("#invite-form button[type=submit]")
+    page.wait_for_url(f"{base}/console/team?done=invited")
+    link = _invite_link(astack, dev_email)
+
+    member = browser.new_context(viewport={"width": 1280, "height": 800})
+    member.set_default_timeout(60_000)
+    try:
+        dev = member.new_page()
+        dev.goto(link)
+        dev.fill("#accept-invite input[name=password]", PASSWORD)
+        dev.click("#accept-invite button[type=submit]")
+        dev.wait_for_url(f"{base}/console?done=joined")
+        assert dev.locator("nav >> text=Plan & billing").count() == 0  # a developer: keys and usage
+        dev.click("nav >> text=API keys")
+        dev.fill("#create-key input[name=name]", "dev laptop")
+        dev.click("#create-key button[type=submit]")
+        secret = dev.locator("#new-secret").inner_text().strip()
+        sdk = openai.OpenAI(base_url=f"{base}/v1", api_key=secret, max_retries=0, timeout=30)
+        assert sdk.models.list().data is not None
+        dev.goto(link)  # the link worked once
+        assert "already used" in dev.locator("#invite-problem").inner_text()
+
+        page.goto(f"{base}/console/keys")
+        row = page.locator("#keys-table tr", has_text="dev laptop")
+        assert row.locator("[data-field=made_by]").inner_text() == dev_email
+        page.goto(f"{base}/console/team")
+        for width, name in ((1280, "console-team"), (390, "console-team-390")):
+            page.set_viewport_size({"width": width, "height": 900})
+            assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"), f"{width} px scrolls"
+            console_screenshot(page, name, tmp_path)
+        page.set_viewport_size({"width": 1280, "height": 900})
+        dev_row = page.locator(f"#members-table tr[data-member='{dev_email}']")
+        assert dev_row.locator("select[name=move_keys_to]").input_value() == ""  # revoke their keys
+        dev_row.locator("button:has-text('Remove')").click()
+        page.wait_for_url(f"{base}/console/team?done=removed")
+        assert page.locator(f"#members-table tr[data-member='{dev_email}']").count() == 0
+
+        def refused() -> bool:
+            try:
+                sdk.models.list()
+            except openai.AuthenticationError:
+                return True
+            return False
+
+        eventually(refused, bool, "the removed member's key refused")
+        dev.goto(f"{base}/console/keys")
+        dev.wait_for_url(f"{base}/console/login")  # their session ended with the membership
+    finally:
+        member.close()
+    members = astack.api.get(f"/accounts/{account_id}/members").json()["data"]
+    assert [(m["email"], m["role"]) for m in members] == [(owner_email, "owner")]
+    admin_page = admin[0].get(f"/console/admin/accounts/{account_id}").text
+    listed = admin_page.split('id="account-members"')[1].split("</section>")[0]
+    assert owner_email in listed and ">owner<" in listed and dev_email not in listed
+    actions = [e["action"] for e in astack.api.get("/audit", params={"account_id": account_id}).json()["data"]]
+    assert actions[::-1] == ["member.invite", "member.join", "key.create", "key.revoke", "member.remove"], actions
+    assert not problems, problems

@@ -1,8 +1,9 @@
 """The plan and billing page in a real browser (Debian's Chromium, driven by Playwright), against
 localstripe behind the Stripe edge of tests/e2e/test_billing_path.py (its module stack, instant engine):
 a Free customer buys Premium through Checkout, Stripe's webhook lands, the plan changes on the return
-page and the billing page; the cancel page says nothing was charged; no customer can see or act on
-another's billing."""
+page and the billing page (the success page says it waits for Stripe's confirmation until the webhook
+has recorded it); the cancel page says nothing was charged; no customer can see or act on another's
+billing."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from tests.conftest import eventually
 from tests.console.conftest import ConsoleClient, new_email, screenshot
-from tests.e2e.test_billing_path import billing  # noqa: F401 - the module's Stripe-enabled stack
+from tests.e2e.test_billing_path import SALES, billing  # noqa: F401 - the module's Stripe-enabled stack
 
 pytestmark = pytest.mark.e2e
 CHECKOUT = "https://checkout.stripe.test/"
@@ -48,6 +49,9 @@ def test_buying_premium_through_checkout_changes_the_plan_shown(billing, page, t
     assert page.locator("#current-plan").get_attribute("data-plan") == "free"
     assert page.locator("[data-plan-card=premium] .plan-price").inner_text().startswith("$350")
     assert page.locator("[data-plan-card=pro] .plan-price").inner_text().startswith("$80")
+    # Enterprise: the operator's sales contact (FLATFARE_SALES_CONTACT) as a link, not a dead button.
+    assert page.locator("#contact-sales").get_attribute("href").startswith(f"mailto:{SALES}?subject=")
+    assert page.locator("[data-plan-card=enterprise] button[disabled]").count() == 0
     screenshot(page, "console-billing", tmp_path)
 
     # Upgrade: off to Checkout, with the plan's monthly and metered prices, for this account's customer.
@@ -61,9 +65,13 @@ def test_buying_premium_through_checkout_changes_the_plan_shown(billing, page, t
     # Back to the platform's public URL (the test stack leaves it at its default).
     assert sent["success_url"].endswith("/billing/success") and sent["cancel_url"].endswith("/billing/cancel")
 
-    # Stripe returns the buyer before its webhook has landed: the page says so and shows the plan as it is.
+    # Stripe returns the buyer before its webhook has landed: the page says it is waiting for Stripe's
+    # confirmation of Premium (no thank-you for a payment it has not seen) and shows the plan as it is.
     page.goto(f"{base}/billing/success")
-    assert "Payment received" in page.locator("h1").inner_text()
+    outcome = page.locator("#checkout-outcome")
+    assert outcome.get_attribute("data-state") == "waiting" and "Premium" in outcome.inner_text()
+    assert "Waiting for payment confirmation" in outcome.inner_text()
+    assert "Payment received" not in page.content() and "Checkout is complete" not in page.content()
     assert page.locator("#current-plan").get_attribute("data-plan") == "free"
     # What Checkout does once the buyer pays (as tests/e2e/test_billing_path.py): a card, then the subscription.
     card = ls.post("/v1/payment_methods", data={"type": "card", "card[number]": "4242424242424242",
@@ -73,8 +81,9 @@ def test_buying_premium_through_checkout_changes_the_plan_shown(billing, page, t
     ls.post(f"/v1/customers/{customer}", data={"invoice_settings[default_payment_method]": card["id"]})
     subscription = ls.post("/v1/subscriptions", data={"customer": customer, "items[0][plan]": "price_premium"})
     assert subscription.status_code == 200, subscription.text
-    # The webhook lands; the return page, polling, shows the new plan without a reload.
-    page.locator("#current-plan[data-plan=premium]").wait_for(timeout=60_000)
+    # The webhook lands; the return page, polling, shows the confirmation and the new plan without a reload.
+    page.locator("#checkout-outcome[data-state=confirmed]").wait_for(timeout=60_000)
+    assert "Payment confirmed" in page.locator("#checkout-outcome").inner_text()
     assert "Premium" in page.locator("#current-plan").inner_text()
     screenshot(page, "console-billing-success", tmp_path)
     page.goto(f"{base}/console/billing")

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import redis as redis_sync
 
-from flatfare import contract
+from flatfare.gateway.console import keyspace
 from flatfare.gateway.console.sessions import hash_id
 from tests.conftest import Stack
 from tests.console.conftest import PASSWORD, ConsoleClient, clear_attempts, new_email
@@ -105,8 +105,8 @@ def test_sessions_are_stored_by_hash_with_an_expiry(stack: Stack, customer: Cons
     cookie = customer.session_cookie
     redis = redis_sync.Redis.from_url(stack.redis_url)
     try:
-        assert not redis.exists(contract.console_session_key(cookie)), "the raw session id is a Redis key"
-        key = contract.console_session_key(hash_id(cookie))
+        assert not redis.exists(keyspace.console_session_key(cookie)), "the raw session id is a Redis key"
+        key = keyspace.console_session_key(hash_id(cookie))
         assert redis.hget(key, "email").decode() == customer.email  # type: ignore[attr-defined]
         assert 0 < redis.ttl(key) <= 8 * 3600
     finally:

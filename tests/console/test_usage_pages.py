@@ -14,6 +14,7 @@ import pytest
 
 from tests.conftest import Stack, eventually
 from tests.console.conftest import ConsoleClient, new_email, screenshot
+from flatfare.gateway.console.usage_pages import spreadsheet_safe
 
 pytestmark = pytest.mark.e2e
 
@@ -107,3 +108,10 @@ def test_the_rollup_equals_the_ledger_on_the_live_stack(stack: Stack) -> None:
         sdk.chat.completions.create(model=stack.model, max_tokens=4, messages=[], n=0)
     assert stack.sql("SELECT count(*) FROM requests")[0][0] > 0
     assert _mismatches(stack) == []
+
+
+def test_every_text_cell_of_the_csv_is_guarded_after_leading_whitespace() -> None:
+    for text in ("=1+1", "+1", "-1", "@SUM(A1)", "\t=1", "\r=1", "  =HYPERLINK(\"x\")", " \u00a0@x"):
+        assert spreadsheet_safe(text).startswith("'"), repr(text)
+    for text in ("SmolLM2-135M", "my key", "ff-abcdefgh", ""):
+        assert spreadsheet_safe(text) == text

@@ -18,6 +18,8 @@ DEPLOY = REPO / "deploy"
 COMPOSE_FILE = REPO / "docker-compose.yml"
 RULES_FILE = DEPLOY / "prometheus" / "rules" / "flatfare.yml"
 DASHBOARD_FILE = DEPLOY / "grafana" / "dashboards" / "flatfare.json"
+# Every provisioned dashboard: the platform's (flatfare.json) and each plan's promise (flatfare-plans.json).
+DASHBOARD_FILES = sorted((DEPLOY / "grafana" / "dashboards").glob("*.json"))
 K8S = DEPLOY / "k8s"
 DOCKERFILES = sorted((DEPLOY / "docker").glob("*.Dockerfile"))
 
@@ -139,14 +141,16 @@ def rules() -> list[dict[str, Any]]:
     return [rule for group in load_yaml(RULES_FILE)["groups"] for rule in group["rules"]]
 
 
-def dashboard() -> dict[str, Any]:
-    return json.loads(DASHBOARD_FILE.read_text())
+def dashboard(path: Path = DASHBOARD_FILE) -> dict[str, Any]:
+    return json.loads(path.read_text())
 
 
-def dashboard_queries() -> list[str]:
+def dashboard_queries(path: Path | None = None) -> list[str]:
+    """The queries of the dashboard at ``path``; of every dashboard when None."""
     queries = []
-    for panel in dashboard()["panels"]:
-        queries.extend(t["expr"] for t in panel.get("targets", []))
+    for board in [dashboard(path)] if path is not None else [dashboard(p) for p in DASHBOARD_FILES]:
+        for panel in board["panels"]:
+            queries.extend(t["expr"] for t in panel.get("targets", []))
     return queries
 
 

@@ -174,14 +174,31 @@ def test_the_gateway_image_writes_only_under_tmp() -> None:
 
 # Inside a mount namespace of its own: every filesystem remounted read-only but /proc, /sys and /dev,
 # and a fresh tmpfs on /tmp, as Kubernetes runs the pod (readOnlyRootFilesystem, an emptyDir on /tmp).
+# The tmpfs would hide a checkout or a virtual environment that itself lives under /tmp (a clone made
+# there, its .venv): the paths in FF_KEEP (colon-separated, under /tmp) are first reached through a
+# bind of the old /tmp on /var/tmp, then bound back, read-only, into the new one.
 READ_ONLY_ROOT = """
+if [ -n "$FF_KEEP" ]; then mount --rbind /tmp /var/tmp || exit 96; fi
 for target in $(findmnt -rn -o TARGET); do
   case "$target" in /proc*|/sys*|/dev*) ;; *) mount -o remount,bind,ro "$target" 2>/dev/null ;; esac
 done
 mount -t tmpfs tmpfs /tmp
+IFS=:
+for path in $FF_KEEP; do
+  mkdir -p "$path" && mount --bind "/var/tmp${path#/tmp}" "$path" && mount -o remount,bind,ro "$path" || exit 95
+done
+unset IFS
 touch /flatfare-probe 2>/dev/null && exit 97
 exec "$@"
 """
+
+
+def kept_under_tmp() -> str:
+    """The checkout and the Python environment running the tests, where they live under /tmp (FF_KEEP)."""
+    tmp = Path("/tmp").resolve()
+    paths = sorted({path.resolve() for path in (REPO, Path(sys.prefix)) if path.resolve().is_relative_to(tmp)})
+    outermost = [path for path in paths if not any(path != other and path.is_relative_to(other) for other in paths)]
+    return ":".join(f"/tmp/{path.relative_to(tmp)}" for path in outermost)
 
 
 def _read_only_root_unavailable() -> str | None:
@@ -208,7 +225,8 @@ def test_the_gateway_needs_no_writable_path_outside_tmp(local_redis, tmp_path: P
                              capture_output=True, text=True, timeout=120, check=True).stdout.strip()
         port = free_port()
         env = {"PATH": os.environ["PATH"], "HOME": "/nonexistent", **image_env(image), "FLATFARE_HOST": "127.0.0.1",
-               "FLATFARE_PORT": str(port), "FLATFARE_DATABASE_URL": database_url, "FLATFARE_REDIS_URL": local_redis.url}
+               "FLATFARE_PORT": str(port), "FLATFARE_DATABASE_URL": database_url, "FLATFARE_REDIS_URL": local_redis.url,
+               "FF_KEEP": kept_under_tmp()}
         command = json.loads(next(args for op, args in image.steps if op == "CMD"))
         gateway = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", READ_ONLY_ROOT, "sh",
                                     sys.executable, "-m", "flatfare", *command], env=env, cwd="/",

@@ -19,7 +19,8 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from flatfare.gateway.metrics import MULTIPROC_ENV, GatewayMetrics, PlatformSnapshot, exposition
+from flatfare.gateway.metrics import MULTIPROC_ENV, GatewayMetrics, exposition
+from flatfare.gateway.platform_metrics import PlatformSnapshot
 from flatfare.gateway.settings import GatewaySettings
 from tests.conftest import need
 from tests.deploy.files import K8S, REPO, compose, grouping_labels, k8s_documents, load_yaml

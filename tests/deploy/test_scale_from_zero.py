@@ -1,5 +1,5 @@
 """Scaling a worker pool from zero on Kubernetes, proven without a cluster: requests for an on-demand
-model with no worker are admitted through the real admission script (gateway/queueing.py) into an
+model with no worker are admitted through the real admission script (gateway/jobpath/queueing.py) into an
 account's queue and into a dead worker's own stream on a live Redis, the gateway's /metrics is scraped
 (create_app in this process), and promtool evaluates the on-demand ScaledObject's own query over the
 scraped samples, as Prometheus would for KEDA. KEDA's activation rule (the value above the trigger's
@@ -28,7 +28,7 @@ from flatfare.billing.quota import EPOCH_KEY, expiry
 from flatfare.contract import Endpoint, Job, Lane
 from flatfare.gateway.app import create_app
 from flatfare.gateway.metrics import MULTIPROC_ENV
-from flatfare.gateway.queueing import Admitted, LaneLimits, LaneQueue, QuotaClaim
+from flatfare.gateway.jobpath.queueing import Admitted, LaneLimits, LaneQueue, QuotaClaim
 from flatfare.gateway.settings import GatewaySettings
 from flatfare.storage.db import create_engine, migrate, session_factory
 from flatfare.storage.models import CatalogModel

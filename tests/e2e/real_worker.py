@@ -25,7 +25,7 @@ from flatfare import contract
 from flatfare.billing.plans import quota_window
 from flatfare.billing.quota import EPOCH_KEY, expiry
 from flatfare.contract import Endpoint, Job, Lane, Reply, WorkerInfo, WorkerState
-from flatfare.gateway.queueing import LaneLimits, LaneQueue, QuotaClaim
+from flatfare.gateway.jobpath.queueing import LaneLimits, LaneQueue, QuotaClaim
 from flatfare.redis_conn import connect
 from flatfare.redis_local import LocalRedis
 from flatfare.storage.db import migrate

@@ -32,7 +32,7 @@ from flatfare import contract
 from flatfare.billing.plans import quota_window
 from flatfare.billing.quota import counter_key
 from flatfare.contract import Endpoint, Lane, WorkerInfo, WorkerState
-from flatfare.gateway.prefix_routing import prefix_hash
+from flatfare.gateway.jobpath.prefix_routing import prefix_hash
 from tests.conftest import Stack, launch_stack
 from tests.security.test_http import BAD_BODIES
 from tests.security.test_limits import json_schema, nested

@@ -1,9 +1,11 @@
-"""Metrics and logs of a running platform: scrape ``/metrics`` of the gateway (two processes) and of a
-worker before and after real requests and check that every counter moved by exactly what was sent."""
+"""Metrics, logs and traces of a running platform: scrape ``/metrics`` of the gateway (two processes) and of a
+worker before and after real requests and check that every counter moved by exactly what was sent; every
+request's spans reach an OTLP receiver as one trace (tests/otlp_receiver.py)."""
 
 from __future__ import annotations
 
 import json
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,8 +19,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flatfare import contract
 from flatfare.contract import WorkerInfo
+from tests.batches.helpers import chat_lines, start_batch, wait_for
 from tests.conftest import Stack, launch_stack
 from tests.deploy.files import all_queries, selectors
+from tests.otlp_receiver import OTLPReceiver, ReceivedSpan, otlp_receiver, tree
 
 pytestmark = pytest.mark.e2e
 
@@ -99,14 +103,41 @@ def eventually(read, ready, timeout_s: float = 10):
 
 
 @pytest.fixture(scope="module")
-def mstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    env = {"FLATFARE_AUTH_CACHE_TTL_S": "0.1", "FLATFARE_PLANS_CACHE_TTL_S": "0.1"}
+def receiver() -> Iterator[OTLPReceiver]:
+    with otlp_receiver() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def mstack(tmp_path_factory: pytest.TempPathFactory, receiver: OTLPReceiver) -> Iterator[Stack]:
+    # The ledger's checks read at every scrape, so each test sees its own requests at once.
+    env = {"FLATFARE_AUTH_CACHE_TTL_S": "0.1", "FLATFARE_PLANS_CACHE_TTL_S": "0.1", "FLATFARE_METRICS_LEDGER_EVERY_S": "0",
+           # Every request traced to the receiver (flatfare/tracing.py), exported within 0.1 s (the SDK's
+           # batch delay: OTEL_BSP_SCHEDULE_DELAY).
+           "FLATFARE_TRACES_ENDPOINT": receiver.url, "FLATFARE_TRACES_SAMPLE_RATIO": "1",
+           "OTEL_BSP_SCHEDULE_DELAY": "100"}
     with launch_stack(tmp_path_factory.mktemp("metrics"), model=MODEL, worker_args=("--engine", "instant"),
                       gateway_processes=2, env=env) as stack:
         # The seeded plans sell flat (migration 0010): give them a per-request price, so the outbox gauges
         # have meter events to count.
         stack.sql("UPDATE plans SET price_per_request_micros = 2000 WHERE name IN ('pro', 'premium')")
         yield stack
+
+
+def test_an_idle_connection_outlives_the_clients_own_idle_limit(mstack: Stack) -> None:
+    """httpx and the OpenAI SDKs drop a connection idle for 5 s; uvicorn's default closed it at 5 s too, so a
+    client could send on a connection the gateway was closing and fail with a connection error (a cause of
+    the soak's lost requests). The gateway keeps it FLATFARE_KEEP_ALIVE_S (65 s): one idle 6 s still answers."""
+    port = int(mstack.base_url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        reader = conn.makefile("rb")
+        for idle_s in (6, 0):
+            conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: gateway\r\n\r\n")
+            status = reader.readline()
+            assert status.startswith(b"HTTP/1.1 200"), f"the gateway closed the idle connection: {status!r}"
+            headers = dict(line.split(b":", 1) for line in iter(reader.readline, b"\r\n"))
+            reader.read(int(headers[b"content-length"]))
+            time.sleep(idle_s)
 
 
 def test_counters_move_with_real_requests_through_two_gateway_processes(mstack: Stack) -> None:
@@ -175,6 +206,57 @@ def test_counters_move_with_real_requests_through_two_gateway_processes(mstack: 
     assert value(wk, "flatfare_worker_draining", model=MODEL) == 0
 
 
+def test_each_plans_promise_is_measured_per_plan_and_lane(mstack: Stack) -> None:
+    """The series the plan dashboard and its alerts read move with real requests: a premium request lands
+    in the premium plan's and lane's histograms, a quota 429 and a 401 are counted by their error code,
+    batch lines are counted done, and each plan's target, use today and the ledger's checks are there."""
+    premium = new_key(mstack, "promise-premium", "premium")
+    limited = new_key(mstack, "promise-limited", "pro", limit=1)
+    before = gateway_metrics(mstack)
+    sdk = openai.OpenAI(base_url=f"{mstack.base_url}/v1", api_key=premium, max_retries=0)
+    list(sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    assert httpx.post(f"{mstack.base_url}{CHAT}", json=body, headers={"Authorization": f"Bearer {limited}"}) \
+        .status_code == 200
+    refused = httpx.post(f"{mstack.base_url}{CHAT}", json=body, headers={"Authorization": f"Bearer {limited}"})
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert httpx.post(f"{mstack.base_url}{CHAT}", json=body, headers={"Authorization": "Bearer nope"}) \
+        .status_code == 401
+    batch = start_batch(sdk, chat_lines(MODEL, 2))
+    assert wait_for(sdk, batch.id, "completed", timeout_s=60).request_counts.completed == 2
+    wait_closed(mstack)
+
+    def moved(after: Samples, name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    gw = eventually(lambda: gateway_metrics(mstack), lambda s: moved(
+        s, "flatfare_queue_wait_seconds_count", plan="pro") >= 1 and moved(
+        s, "flatfare_batch_lines_total", model=MODEL, outcome="done") >= 2)
+    premium_lane = {"model": MODEL, "lane": "premium", "plan": "premium"}
+    assert moved(gw, "flatfare_time_to_first_token_seconds_count", **premium_lane) == 1
+    assert moved(gw, "flatfare_queue_wait_seconds_count", **premium_lane) == 1
+    assert moved(gw, "flatfare_time_to_first_token_seconds_count", plan="premium", lane="standard") == 0
+    assert moved(gw, "flatfare_time_to_first_token_seconds_count", model=MODEL, lane="standard", plan="pro") == 1
+    assert moved(gw, "flatfare_refusals_total", plan="pro", status="429", code="rate_limit_exceeded") == 1
+    assert moved(gw, "flatfare_refusals_total", status="401", code="invalid_api_key") == 1
+    assert moved(gw, "flatfare_refusals_total", plan="premium") == 0
+    assert moved(gw, "flatfare_batch_lines_total", model=MODEL, outcome="done") == 2
+    assert moved(gw, "flatfare_batch_lines_total", outcome="failed") == 0
+    # Each plan's promise beside its figures, and its use today (the limited key's and the premium ones).
+    assert value(gw, "flatfare_plan_ttft_target_seconds", plan="premium") == 5.0
+    assert value(gw, "flatfare_plan_queue_wait_target_seconds", plan="premium") == 2.0
+    assert value(gw, "flatfare_plan_daily_limit_requests", plan="pro") == 1000
+    # The stream's unit; the batch lines count on their own allowance, the 429 counted nothing.
+    assert moved(gw, "flatfare_plan_quota_used_requests", plan="premium") == 1
+    assert moved(gw, "flatfare_plan_quota_used_requests", plan="pro") == 1
+    # The instant engine is warm, nothing is lost, the ledger and the meter agree.
+    assert value(gw, "flatfare_pool_warm_workers", model=MODEL) == 1
+    assert value(gw, "flatfare_ledger_stuck_requests") == 0
+    assert value(gw, "flatfare_billing_ledger_meter_mismatch", kind="unmetered") == 0
+    assert value(gw, "flatfare_billing_ledger_meter_mismatch", kind="overmetered") == 0
+    assert value(gw, "flatfare_requests_lost_total") == 0
+
+
 def test_queue_pool_and_outbox_gauges(mstack: Stack) -> None:
     client = redis_sync.Redis.from_url(mstack.redis_url)
     ghost = f"ghost-{uuid.uuid4().hex[:6]}"
@@ -233,6 +315,164 @@ def test_logs_are_json_lines_with_request_fields_and_no_secrets(mstack: Stack) -
         assert secret_prompt not in text
     for line in log_lines(mstack.logs / "worker.log"):
         json.loads(line)
+
+
+def test_a_clients_traceparent_is_continued_in_the_answer_and_every_log_line(mstack: Stack) -> None:
+    key = new_key(mstack, "metrics-trace", "pro")
+    trace_id = uuid.uuid4().hex
+    sent = f"00-{trace_id}-00f067aa0ba902b7-01"
+    auth = {"Authorization": f"Bearer {key}", "traceparent": sent}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "trace me"}]}
+    answers = [httpx.post(f"{mstack.base_url}{CHAT}", json=body, headers=auth),
+               httpx.post(f"{mstack.base_url}{CHAT}", json={**body, "stream": True}, headers=auth),
+               httpx.get(f"{mstack.base_url}/v1/models", headers=auth),  # a FastAPI route
+               httpx.post(f"{mstack.base_url}{CHAT}", json=body, headers={**auth, "Authorization": "Bearer nope"})]
+    assert [a.status_code for a in answers] == [200, 200, 200, 401]
+    spans = set()
+    for answer in answers:  # the client's trace, under a span of the gateway's own for each request
+        version, returned_trace, span, flags = answer.headers["traceparent"].split("-")
+        assert (version, returned_trace, flags) == ("00", trace_id, "01") and span != "00f067aa0ba902b7"
+        spans.add(span)
+    assert len(spans) == len(answers)
+    # Without one (or with one that is not valid), each request starts a trace of its own.
+    fresh = [httpx.post(f"{mstack.base_url}{CHAT}", json=body, headers={"Authorization": f"Bearer {key}",
+                                                                        **extra}).headers["traceparent"]
+             for extra in ({}, {"traceparent": "00-xyz"})]
+    assert len({t.split("-")[1] for t in fresh} | {trace_id}) == 3
+    wait_closed(mstack)
+    ids = {answers[0].headers["x-request-id"], answers[1].headers["x-request-id"]}
+    lines = eventually(lambda: [json.loads(line) for line in log_lines(mstack.logs / "gateway.log")],
+                       lambda records: sum(r.get("request_id") in ids and "route" in r for r in records) >= 2)
+    mine = [r for r in lines if r.get("request_id") in ids or r.get("trace_id") == trace_id]
+    assert len(mine) >= 3  # the two completions and the models list, at least one line each
+    for record in mine:
+        assert record["trace_id"] == trace_id and record["span_id"] in spans, record
+
+
+def worker_records(stack: Stack, request_ids: set[str], each: int = 1) -> list[dict]:
+    """The worker's log lines of ``request_ids``, once each request has at least ``each`` (the worker writes a
+    job's last line just after its reply)."""
+    def read() -> list[dict]:
+        return [r for r in map(json.loads, log_lines(stack.logs / "worker.log")) if r.get("request_id") in request_ids]
+
+    return eventually(read, lambda records: all(sum(r["request_id"] == i for r in records) >= each
+                                                for i in request_ids))
+
+
+def test_the_worker_logs_each_job_under_the_trace_of_its_request(mstack: Stack) -> None:
+    """The job carries the gateway's span: the worker's lines for it are in the client's trace, under a span
+    of the worker's own; a batch line is in the trace of the request that created its batch, if any."""
+    key = new_key(mstack, "metrics-trace-worker", "pro")
+    trace_id = uuid.uuid4().hex
+    auth = {"Authorization": f"Bearer {key}", "traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "trace me through the worker"}]}
+    answers = [httpx.post(f"{mstack.base_url}{CHAT}", json={**body, "stream": stream}, headers=auth)
+               for stream in (False, True)]
+    assert [a.status_code for a in answers] == [200, 200]
+    gateway_spans = {a.headers["traceparent"].split("-")[2] for a in answers}
+    records = worker_records(mstack, {a.headers["x-request-id"] for a in answers})
+    assert {r["message"].split(":")[0] for r in records} >= {f"answered {a.headers['x-request-id']}" for a in answers}
+    for record in records:
+        assert record["trace_id"] == trace_id, record
+        assert len(record["span_id"]) == 16 and record["span_id"] not in gateway_spans | {"00f067aa0ba902b7"}
+    assert len({r["span_id"] for r in records}) == len(answers)  # one span of the worker's per job
+
+    # A batch's lines run in the trace of the request that created it, a span of the worker's each: the
+    # client's, or the one the gateway started and named in the answer's traceparent.
+    sdk = openai.OpenAI(base_url=f"{mstack.base_url}/v1", api_key=key, max_retries=0)
+    traced = start_batch(sdk, chat_lines(MODEL, 2), extra_headers={"traceparent": auth["traceparent"]})
+    uploaded = sdk.files.create(file=("requests.jsonl", chat_lines(MODEL, 2)), purpose="batch")
+    created = sdk.batches.with_raw_response.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
+    untraced, its_trace = created.parse(), created.headers["traceparent"].split("-")[1]
+    assert its_trace != trace_id
+    for batch, expected in ((traced, trace_id), (untraced, its_trace)):
+        assert wait_for(sdk, batch.id, "completed", timeout_s=60).request_counts.completed == 2
+        lines = worker_records(mstack, {contract.batch_request_id(batch.id, i) for i in range(2)})
+        assert {r["trace_id"] for r in lines} == {expected}
+        spans = {r["span_id"] for r in lines}
+        assert len(spans) == 2 and not spans & gateway_spans  # a span of the worker's per line
+
+
+def _spans_of(receiver: OTLPReceiver, trace_id: str, *names: str) -> list[ReceivedSpan]:
+    """The trace's spans once each of ``names`` has arrived (each process exports in the background)."""
+    return [s for s in receiver.wait(lambda spans: set(names) <= {s.name for s in spans if s.trace_id == trace_id})
+            if s.trace_id == trace_id]
+
+
+def test_each_request_is_one_connected_trace_across_the_gateway_and_the_worker(mstack: Stack,
+                                                                             receiver: OTLPReceiver) -> None:
+    """Flatfare's spans over OTLP: a whole and a streamed answer, a refusal and a batch line are each one
+    trace, the gateway's and the worker's spans connected through the job's traceparent."""
+    key = new_key(mstack, "metrics-spans", "pro")
+    auth = {"Authorization": f"Bearer {key}"}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "span me"}]}
+    client_span = "00f067aa0ba902b7"
+    # Probes and scrapes are not traced, even when asked to be: one of each per load balancer and Prometheus
+    # every few seconds would bury the requests' traces.
+    probes = {path: uuid.uuid4().hex for path in ("/healthz", "/metrics")}
+    for path, probe_trace in probes.items():
+        assert httpx.get(f"{mstack.base_url}{path}", headers={"traceparent": f"00-{probe_trace}-{client_span}-01"}).is_success
+    answers = {stream: httpx.post(f"{mstack.base_url}{CHAT}", json={**body, "stream": stream}, headers={
+        **auth, "traceparent": f"00-{uuid.uuid4().hex}-{client_span}-01"}) for stream in (False, True)}
+    for stream, answer in answers.items():
+        assert answer.status_code == 200
+        _, trace_id, gateway_span, flags = answer.headers["traceparent"].split("-")
+        spans = _spans_of(receiver, trace_id, "ledger write", "settlement", "relay", "job", "engine run",
+                          "lane wait", "admission")
+        root = tree(spans)  # one trace: the gateway's request span under the client's, all else beneath
+        assert (root.name, root.span_id, root.parent_id, root.service) == (
+            f"POST {CHAT}", gateway_span, client_span, "flatfare-gateway")
+        assert root.attributes["http.response.status_code"] == 200 and flags == "01"
+        assert root.attributes["flatfare.request_id"] == answer.headers["x-request-id"]
+        by_name = {s.name: s for s in spans}
+        assert {by_name[n].service for n in ("job", "engine run", "lane wait")} == {"flatfare-worker"}
+        # The worker's spans continue the gateway's through the traceparent its job carried.
+        assert by_name["job"].parent_id == by_name["lane wait"].parent_id == gateway_span
+        assert by_name["engine run"].parent_id == by_name["job"].span_id
+        assert by_name["lane wait"].end_ns <= by_name["job"].start_ns + 10**9  # a clock of the same host
+        assert all(s.end_ns >= s.start_ns > 0 for s in spans)
+        assert len([s for s in spans if s.name == "job"]) == 1
+    # A refusal (the body has no messages) is a trace too: its code on the request span and on the phase
+    # it ended (admission); nothing reached the worker.
+    refused = httpx.post(f"{mstack.base_url}{CHAT}", json={"model": MODEL}, headers=auth)
+    assert refused.status_code == 400
+    trace_id, gateway_span = refused.headers["traceparent"].split("-")[1:3]
+    spans = _spans_of(receiver, trace_id, f"POST {CHAT}", "admission")
+    root = tree(spans)
+    assert root.span_id == gateway_span and root.parent_id == ""
+    assert root.attributes["http.response.status_code"] == 400 and {s.service for s in spans} == {"flatfare-gateway"}
+    code = root.attributes["flatfare.error_code"]
+    assert code and {s.name: s.attributes.get("flatfare.error_code") for s in spans}["admission"] == code
+    # A batch line: in the trace of the request that created the batch (a FastAPI route's span), under a
+    # span of the dispatcher's, with the worker's spans beneath that.
+    sdk = openai.OpenAI(base_url=f"{mstack.base_url}/v1", api_key=key, max_retries=0)
+    uploaded = sdk.files.create(file=("requests.jsonl", chat_lines(MODEL, 1)), purpose="batch")
+    created = sdk.batches.with_raw_response.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
+    batch, (trace_id, creating_span) = created.parse(), created.headers["traceparent"].split("-")[1:3]
+    assert wait_for(sdk, batch.id, "completed", timeout_s=60).request_counts.completed == 1
+    spans = _spans_of(receiver, trace_id, "POST /v1/batches", "batch line", "job", "engine run", "lane wait")
+    root = tree(spans)
+    assert (root.name, root.span_id) == ("POST /v1/batches", creating_span)
+    by_name = {s.name: s for s in spans}
+    assert by_name["batch line"].parent_id == creating_span
+    assert by_name["job"].parent_id == by_name["batch line"].span_id
+    assert by_name["job"].attributes["flatfare.request_id"] == contract.batch_request_id(batch.id, 0)
+    assert not [s for trace_id in probes.values() for s in receiver.trace(trace_id)]  # exported long since
+
+
+def test_vllms_own_span_hangs_under_the_workers_in_the_requests_trace(stack: Stack, stack_traces: OTLPReceiver) -> None:
+    """The shared real-engine stack exports vLLM's spans (its otlp_traces_endpoint): a request its client
+    traces is one trace from the gateway through the worker's job to vLLM's ``llm_request``."""
+    trace_id = uuid.uuid4().hex
+    answer = httpx.post(f"{stack.base_url}{CHAT}", timeout=120, json={
+        "model": stack.model, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4},
+        headers={"Authorization": f"Bearer {stack.api_key}", "traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
+    assert answer.status_code == 200, answer.text
+    spans = _spans_of(stack_traces, trace_id, f"POST {CHAT}", "job", "engine run", "llm_request")
+    tree(spans)
+    by_name = {s.name: s for s in spans}
+    assert by_name["llm_request"].parent_id == by_name["job"].span_id
+    assert by_name["llm_request"].attributes["gen_ai.usage.completion_tokens"] == 4
 
 
 def test_vllm_engine_metrics_from_the_cpu_worker(stack: Stack) -> None:

@@ -24,7 +24,7 @@ from flatfare.billing.plans import quota_window
 from flatfare.billing.quota import DailyQuota, expiry
 from flatfare.billing.stripe_client import StripeConfig, StripeGateway
 from flatfare.contract import Endpoint, Job, Lane
-from flatfare.gateway.queueing import LaneLimits, LaneQueue, QuotaClaim
+from flatfare.gateway.jobpath.queueing import LaneLimits, LaneQueue, QuotaClaim
 from flatfare.redis_conn import connect
 from flatfare.storage.db import create_engine, session_factory
 from flatfare.storage.models import RequestStatus

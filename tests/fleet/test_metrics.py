@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from flatfare.contract import WorkerState
 from flatfare.fleet.metrics import FleetMetrics
-from flatfare.fleet.plan import Act, Budget
+from flatfare.fleet.decisions import Act, Budget
 from tests.conftest import REPO
 
 

@@ -1,8 +1,10 @@
-"""What `flatfare up` asks of its fleet, and what it says while the first model starts."""
+"""What `flatfare up` asks of its fleet, and what it says while the first model starts and about payments."""
 
 from __future__ import annotations
 
-from flatfare.cli.up import FIRST_START, GIVE_UP_AFTER_CRASHES, UpOptions, gave_up, phase_changes, progress
+from flatfare.cli.up import (FIRST_START, GIVE_UP_AFTER_CRASHES, LOCAL_COLLECTOR, UpOptions, gave_up, payments_line,
+                             phase_changes, progress, traces_env, traces_help)
+from flatfare.workers.settings import WorkerSettings
 from flatfare.contract import FleetStatus
 
 NOW = 1_000_000_000
@@ -54,3 +56,25 @@ def test_a_start_after_the_key_shows_one_line_a_phase() -> None:
     assert phase_changes(_fleet(state="warm", phase=""), phases) == []
     # Started again later: its phases are news again.
     assert phase_changes(_fleet(phase="preparing the model"), phases) == ["m"]
+
+
+def test_plain_up_says_billing_is_off_and_how_to_try_payments() -> None:
+    off = payments_line("none", "http://127.0.0.1:8000")
+    assert "off" in off and "--payments local" in off
+    assert "test card" in payments_line("local", "http://127.0.0.1:8000")
+    assert UpOptions().payments == "none"
+
+
+def test_up_traces_points_every_process_at_a_local_collector_and_says_how_to_run_one(monkeypatch) -> None:
+    """`flatfare up --traces` starts nothing: its processes get the collector's endpoint and a ratio of 1
+    (unless the person set their own), and it prints how to run a collector there."""
+    env = traces_env({"PATH": "/bin"})
+    assert (env["FLATFARE_TRACES_ENDPOINT"], env["FLATFARE_TRACES_SAMPLE_RATIO"]) == (LOCAL_COLLECTOR, "1")
+    for name, value in env.items():  # what a child process's settings read from it: tracing on
+        monkeypatch.setenv(name, value)
+    settings = WorkerSettings()
+    assert (settings.traces_endpoint, settings.traces_sample_ratio) == (LOCAL_COLLECTOR, 1.0)
+    mine = traces_env({"FLATFARE_TRACES_ENDPOINT": "http://collector:4318", "FLATFARE_TRACES_SAMPLE_RATIO": "0.1"})
+    assert (mine["FLATFARE_TRACES_ENDPOINT"], mine["FLATFARE_TRACES_SAMPLE_RATIO"]) == ("http://collector:4318", "0.1")
+    said = traces_help(env)
+    assert LOCAL_COLLECTOR in said and "4318:4318" in said and "docker run" in said

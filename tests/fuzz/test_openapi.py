@@ -48,7 +48,7 @@ def no_server_error(ctx: Any, response: Any, case: Any) -> bool | None:
 
 CHECKS = [no_server_error, response_schema_conformance, content_type_conformance]
 # Operations whose schema documents their error answers too (flatfare.gateway.errors.ERROR_RESPONSES): every
-# status they send must be a documented one. The completion routes (gateway/routes.py) do not yet.
+# status they send must be a documented one. The completion routes (gateway/openai/routes.py) do not yet.
 DOCUMENTED_ERRORS = re.compile(r"^/(admin/v1/|v1/usage$)")
 CONFIG = schemathesis.config.SchemathesisConfig.from_dict({
     "phases": {"stateful": {"enabled": False}, "coverage": {"enabled": False}},

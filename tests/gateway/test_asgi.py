@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from datetime import UTC, datetime, timedelta
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from flatfare import contract
 from flatfare.contract import WorkerInfo
@@ -26,7 +27,8 @@ from flatfare.gateway.app import create_app
 from flatfare.gateway.openai.asgi import MAX_HEADER_BYTES, MAX_HEADERS, CompletionRoutes
 from flatfare.gateway.settings import GatewaySettings
 from flatfare.redis_conn import connect
-from flatfare.storage.accounts import ensure_account, issue_key
+from flatfare.storage.accounts import issue_key
+from flatfare.billing.plan_change import ensure_account
 from flatfare.storage.db import create_engine, migrate, session_factory
 from flatfare.storage.models import RequestRecord
 from flatfare.workers.instant import FILLER, InstantEngine
@@ -87,14 +89,17 @@ def database_file(tmp_path: Path) -> Iterator[str]:
 
 
 @pytest.fixture
-async def gateway(database_file: str, redis_url: str, tmp_path: Path) -> AsyncIterator[Gateway]:
+async def gateway(request: pytest.FixtureRequest, database_file: str, redis_url: str,
+                  tmp_path: Path) -> AsyncIterator[Gateway]:
+    """The gateway on ``database_file``; settings of a test's own as the fixture's parameter."""
     engine = create_engine(database_file)
     async with session_factory(engine)() as session:
         issued = await issue_key(session, await ensure_account(session, "acme", "pro"))
         await session.commit()
     await engine.dispose()
     settings = GatewaySettings(redis_url=redis_url, database_url=database_file, data_dir=tmp_path,
-                               max_body_bytes=BODY_LIMIT, log_format="text", log_level="warning")
+                               max_body_bytes=BODY_LIMIT, log_format="text", log_level="warning",
+                               **getattr(request, "param", {}))
     app = create_app(settings)
     async with lifespan(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                                 base_url="http://gateway") as client:
@@ -211,6 +216,27 @@ async def test_a_request_is_answered_by_the_worker(gateway, worker, route: str) 
     assert await gateway.ledger_rows() == 2
 
 
+@pytest.mark.parametrize("gateway", [{"idempotency_window_s": 60}], indirect=True)
+async def test_a_retry_past_the_idempotency_window_is_a_new_request(gateway, worker) -> None:
+    """Within FLATFARE_IDEMPOTENCY_WINDOW_S a retry replays the first answer, counted and charged once;
+    past it (the first row aged 2 minutes against a 60-second window) the same key is a new request."""
+    route, headers = "/v1/chat/completions", {**gateway.auth, "Idempotency-Key": "order-7"}
+    first = await gateway.client.post(route, json=BODIES[route], headers=headers)
+    replayed = await gateway.client.post(route, json=BODIES[route], headers=headers)
+    assert first.status_code == replayed.status_code == 200, (first.text, replayed.text)
+    assert replayed.json()["id"] == first.json()["id"] and await gateway.ledger_rows() == 1
+    engine = create_engine(gateway.database_url)
+    try:
+        async with session_factory(engine)() as session:
+            await session.execute(update(RequestRecord).values(created_at=datetime.now(UTC) - timedelta(minutes=2)))
+            await session.commit()
+    finally:
+        await engine.dispose()
+    again = await gateway.client.post(route, json=BODIES[route], headers=headers)
+    assert again.status_code == 200 and again.json()["id"] != first.json()["id"], again.text
+    assert await gateway.ledger_rows() == 2
+
+
 async def test_every_other_route_is_fastapis(gateway, worker) -> None:
     # FastAPI's routes, dependencies and middlewares: the key check, the models list, probes.
     assert_error(await gateway.client.get("/v1/models"), 401, "invalid_api_key")
@@ -225,3 +251,26 @@ async def test_every_other_route_is_fastapis(gateway, worker) -> None:
     # FastAPI still documents the routes it never serves.
     paths = (await gateway.client.get("/openapi.json")).json()["paths"]
     assert {"/v1/chat/completions", "/v1/completions", "/v1/embeddings"} <= set(paths)
+
+
+async def test_shutdown_cancels_a_background_pass_that_overstays_its_grace(caplog: pytest.LogCaptureFixture) -> None:
+    """A pass stuck inside its work (a database lock, a slow webhook) cannot hold the process's shutdown:
+    it is cancelled after the grace and named in the log; a pass that ends at ``stop`` is left to end."""
+    from flatfare.gateway.app import _stop
+
+    stop = asyncio.Event()
+    ended = []
+
+    async def polite() -> None:
+        await stop.wait()
+        ended.append("polite")
+
+    async def stuck() -> None:
+        await asyncio.Event().wait()
+
+    tasks = [asyncio.create_task(polite(), name="polite"), asyncio.create_task(stuck(), name="stuck")]
+    await asyncio.sleep(0)
+    stop.set()
+    await asyncio.wait_for(_stop(tasks, grace_s=0.2), 10)
+    assert ended == ["polite"] and tasks[1].cancelled()
+    assert "background pass stuck still running" in caplog.text

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from flatfare.gateway.auth import Authenticator
-from flatfare.storage.accounts import KeyLimitsUpdate, ensure_account, issue_key
+from flatfare.storage.accounts import KeyLimitsUpdate, issue_key
+from flatfare.billing.plan_change import ensure_account
 
 
 async def test_a_keys_own_limits_reach_the_caller(sessions) -> None:

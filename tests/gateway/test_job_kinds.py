@@ -2,51 +2,36 @@
 is counted: the registry's rows on both sides, unknown routes, the wire model, the plan's caps on inputs
 and tokens, ``dimensions`` against what the model's engines report, and the capability each kind needs.
 
-``create_app`` on a real Redis and SQLite (as tests/gateway/test_asgi.py), migrated, so the catalog holds
-the built-in embedding model ``all-minilm-l6-v2`` (migration 0013). Its worker is its heartbeat, written
-with the worker's own ``queue_beat`` every second: every request here is refused before any worker would
-be asked, which tests/e2e/test_embeddings.py checks on the real engine."""
+One gateway process in the test's loop (tests/gateway/rig.py), migrated, so the catalog holds the
+built-in embedding model ``all-minilm-l6-v2`` (migration 0013). Its worker is its heartbeat: every
+request here is refused before any worker would be asked, which tests/e2e/test_embeddings.py checks on
+the real engine."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import redis.asyncio as aioredis
 from pydantic import ValidationError
-from sqlalchemy import func, select, update
+from sqlalchemy import select, update
 
-from flatfare.billing.plans import quota_window
-from flatfare.billing.quota import counter_key
 from flatfare.capabilities import capabilities_of
-from flatfare.contract import ENDPOINT_PATHS, Endpoint, WorkerInfo
+from flatfare.contract import ENDPOINT_PATHS, Endpoint
 from flatfare.gateway.admin.schemas import PlanUpdate
-from flatfare.gateway.app import create_app
 from flatfare.gateway.errors import APIError
 from flatfare.gateway.openai.asgi import ROUTES
 from flatfare.gateway.openai.kinds import KINDS, parse_body
-from flatfare.gateway.settings import GatewaySettings
-from flatfare.redis_conn import connect
-from flatfare.storage.accounts import ensure_account, issue_key
-from flatfare.storage.db import create_engine, migrate, session_factory
+from flatfare.storage.db import create_engine, session_factory
 from flatfare.storage.models import Plan, RequestRecord
 from flatfare.workers.engine import SERVING
-from flatfare.workers.presence import now_ms, queue_beat
-from tests.gateway.test_asgi import lifespan
+from tests.gateway.rig import CHAT_MODEL, EMBEDDER, EMBEDDER_CONTEXT, Gateway, in_process_gateway
 
-EMBEDDER = "all-minilm-l6-v2"
-CHAT_MODEL = "smollm2-135m-instruct"
-CONTEXT = 256
-# As the real engine reports it (workers/engine.py effective_config): BERT has no Matryoshka dimensions.
-ENGINE_CONFIG = {"runner": "pooling", "embedding_size": 384, "matryoshka_dimensions": False,
-                 "max_model_len": CONTEXT}
+CONTEXT = EMBEDDER_CONTEXT
 
 
 def test_every_kind_has_its_row_on_both_sides_and_its_route() -> None:
@@ -80,66 +65,10 @@ def test_the_embeddings_capability_comes_from_the_entry_s_runner() -> None:
     assert not capabilities_of({"tool_call_parser": "hermes"}).public()["embeddings"]
 
 
-@dataclass
-class Gateway:
-    client: httpx.AsyncClient
-    key: str
-    account_id: int
-    database_url: str
-    redis: aioredis.Redis
-
-    @property
-    def auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.key}"}
-
-    async def counted(self) -> tuple[int, int]:
-        """(quota units counted today, ledger rows): what a refused request must leave at zero."""
-        day = quota_window("UTC", datetime.now(UTC)).day
-        engine = create_engine(self.database_url)
-        try:
-            async with session_factory(engine)() as session:
-                rows = await session.scalar(select(func.count()).select_from(RequestRecord))
-        finally:
-            await engine.dispose()
-        return int(await self.redis.get(counter_key(self.account_id, day)) or 0), rows
-
-
-async def _heartbeat(redis: aioredis.Redis, info: WorkerInfo) -> None:
-    while True:
-        async with redis.pipeline(transaction=False) as pipe:
-            queue_beat(pipe, info, now_ms())
-            await pipe.execute()
-        await asyncio.sleep(1)
-
-
 @pytest.fixture
 async def gateway(redis_url: str, tmp_path: Path) -> AsyncIterator[Gateway]:
-    database_url = f"sqlite:///{tmp_path / 'gateway.db'}"
-    migrate(database_url)
-    engine = create_engine(database_url)
-    async with session_factory(engine)() as session:
-        account = await ensure_account(session, "acme", "pro")
-        issued = await issue_key(session, account)
-        await session.commit()
-        account_id = account.id
-    await engine.dispose()
-    redis = connect(redis_url)
-    beats = [asyncio.create_task(_heartbeat(redis, WorkerInfo(
-        worker_id=f"w-{model}", model=model, max_model_len=CONTEXT if model == EMBEDDER else 2048, capacity=8,
-        started_ms=now_ms(), extra={"engine_config": ENGINE_CONFIG} if model == EMBEDDER else {})))
-        for model in (EMBEDDER, CHAT_MODEL)]
-    # No engine answers here: a request that got through by mistake ends at this timeout, not in ten minutes.
-    settings = GatewaySettings(redis_url=redis_url, database_url=database_url, data_dir=tmp_path,
-                               request_timeout_s=10, log_format="text", log_level="warning")
-    app = create_app(settings)
-    try:
-        async with lifespan(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                                    base_url="http://gateway") as client:
-            yield Gateway(client, issued.secret, account_id, database_url, redis)
-    finally:
-        for beat in beats:
-            beat.cancel()
-        await redis.aclose()
+    async with in_process_gateway(redis_url, tmp_path) as gateway:
+        yield gateway
 
 
 def _error(response: httpx.Response, status: int, code: str | None, param: str | None) -> str:

@@ -17,9 +17,10 @@ from flatfare.billing.ledger import Charge, Ledger, Outcome
 from flatfare.billing.plans import quota_window
 from flatfare.billing.quota import EPOCH_KEY, DailyQuota, counter_key, expiry, key_counter_key
 from flatfare.contract import Endpoint, Job, Lane
-from flatfare.gateway.queueing import Admitted, KeyQuotaSpent, LaneLimits, LaneQueue, QuotaClaim
+from flatfare.gateway.jobpath.queueing import Admitted, KeyQuotaSpent, LaneLimits, LaneQueue, QuotaClaim
 from flatfare.redis_conn import connect
-from flatfare.storage.accounts import IssuedKey, ensure_account, issue_key
+from flatfare.storage.accounts import IssuedKey, issue_key
+from flatfare.billing.plan_change import ensure_account
 from flatfare.storage.models import RequestStatus
 
 POOL = "m"

@@ -28,6 +28,8 @@ RECIPES: dict[str, dict[str, Any]] = {
     "smollm2-135m-instruct": {"source": "builtin:smollm2-135m-instruct", "engine_options": {
         "dtype": "float32", "max_model_len": 2048, "tool_call_parser": "hermes", "enable_auto_tool_choice": True,
         "tool_strict_level": "parameter", "chat_template": "chatml-tools"}},
+    "traced": {"source": "builtin:smollm2-135m-instruct", "engine_options": {
+        "otlp_traces_endpoint": "http://otel-collector.observability:4317"}},
 }
 
 
@@ -84,6 +86,8 @@ def test_capabilities_follow_the_options() -> None:
     ({"engine_options": {"allowed_local_media_path": "/"}}, "engine_options.allowed_local_media_path", "Extra"),
     ({"engine_options": {"tool_parser_plugin": "/tmp/evil.py"}}, "engine_options.tool_parser_plugin", "Extra"),
     ({"trust_remote_code": None}, "trust_remote_code", "cannot be null"),
+    ({"engine_options": {"otlp_traces_endpoint": "collector:4317 --model /etc"}}, "engine_options.otlp_traces_endpoint",
+     "pattern"),
 ])
 def test_unknown_and_conflicting_options_are_refused_naming_them(body: dict[str, Any], param: str, words: str) -> None:
     where, message = refusal(body)

@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import func, select
 
 from flatfare.gateway.responses.store import ResponseStore
-from flatfare.storage.accounts import ensure_account
+from flatfare.billing.plan_change import ensure_account
 from flatfare.storage.models import StoredResponse
 
 

@@ -13,8 +13,8 @@ from flatfare.gateway.errors import APIError
 from flatfare.gateway.openai.checks import check_caps
 from flatfare.gateway.openai.prompt_length import (TOKENS_PER_MESSAGE, TOKENS_PER_PROMPT, PromptParts,
                                                    check_prompt_length, prompt_parts)
-from flatfare.gateway.tokenizer_cache import Counted
-from flatfare.gateway.openai.service import parse_body
+from flatfare.gateway.jobpath.tokenizer_cache import Counted
+from flatfare.gateway.openai.kinds import parse_body
 from flatfare.storage.models import Lane
 
 

@@ -14,7 +14,8 @@ import pytest
 from sqlalchemy import create_engine as create_sync_engine
 from sqlalchemy import event, func, select, text
 
-from flatfare.storage.accounts import ensure_account, issue_admin_token, issue_key
+from flatfare.storage.accounts import issue_admin_token, issue_key
+from flatfare.billing.plan_change import ensure_account
 from flatfare.storage.keys import hash_key
 from flatfare.storage.models import AdminToken, ApiKey
 from flatfare.gateway.admin.auth import AdminAuthenticator

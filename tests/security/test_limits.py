@@ -12,7 +12,7 @@ import pytest
 
 from flatfare.contract import Endpoint
 from flatfare.gateway.openai import grammar_caps
-from flatfare.gateway.openai.service import parse_body
+from flatfare.gateway.openai.kinds import parse_body
 from flatfare.gateway.errors import APIError
 from tests.security.timing import fast
 

@@ -18,7 +18,7 @@ import pytest
 
 from flatfare.contract import Endpoint
 from flatfare.gateway.openai import media
-from flatfare.gateway.openai.service import parse_body
+from flatfare.gateway.openai.kinds import parse_body
 from flatfare.gateway.errors import APIError
 from flatfare.gateway.openai.image_size import image_size
 from flatfare.gateway.openai.screen import RequestScreen

@@ -19,11 +19,11 @@ from flatfare.gateway.errors import APIError
 from flatfare.gateway.openai.checks import check_caps
 from flatfare.gateway.openai.kinds import parse_body
 from flatfare.gateway.openai.prompt_length import TOKENS_PER_MESSAGE, TOKENS_PER_PROMPT, check_prompt_length
-from flatfare.gateway.tokenizer_cache import Tokenizers
+from flatfare.gateway.jobpath.tokenizer_cache import Tokenizers
 from flatfare.storage.db import migrate
 from flatfare.storage.models import Plan
 from flatfare.workers.tokenizer import publish_tokenizer
-from tests.gateway.test_tokenizer_cache import tokenizer_text  # noqa: F401 (a fixture)
+from tests.gateway.jobpath.test_tokenizer_cache import tokenizer_text  # noqa: F401 (a fixture)
 from tests.security.timing import fast, fast_async
 
 MODEL = "smollm2-135m-instruct"  # the free plan allows only the default model

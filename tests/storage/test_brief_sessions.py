@@ -12,7 +12,8 @@ from sqlalchemy import create_engine as create_sync_engine
 from sqlalchemy import func, select, text
 from sqlalchemy.engine import make_url
 
-from flatfare.storage.accounts import AccountError, create_key
+from flatfare.storage.accounts import AccountError
+from flatfare.cli.keys import create_key
 from flatfare.storage.db import DATABASE_DOWN, brief_sessions, one_session
 from flatfare.storage.keys import hash_key
 from flatfare.storage.models import Account, ApiKey
@@ -35,7 +36,7 @@ async def test_create_key_commits_the_account_and_its_key(database_url: str) -> 
 
 
 async def test_create_key_refuses_an_unknown_plan_and_writes_nothing(database_url: str) -> None:
-    with pytest.raises(AccountError, match="unknown plan 'gold'"):
+    with pytest.raises(AccountError, match="Unknown plan 'gold'"):
         await create_key(database_url, "nobody", "gold")
     async with one_session(database_url) as session:
         assert await session.scalar(select(Account).where(Account.name == "nobody")) is None

@@ -20,7 +20,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from bench.postgres import PrivatePostgres, postgres_unavailable
 from bench.procs import Services
 from flatfare.billing.ledger import RETRY_S, Charge, DuplicateIdempotencyKey, Ledger, Outcome
-from flatfare.storage.accounts import AccountError, ensure_account, issue_key
+from flatfare.storage.accounts import AccountError, issue_key
+from flatfare.billing.plan_change import ensure_account
 from flatfare.storage.db import alembic_config, create_engine, migrate, session_factory
 from flatfare.storage.keys import KEY_PREFIX, hash_key, looks_like_key
 from flatfare.storage.models import ApiKey, CatalogModel, Plan, RequestRecord, RequestStatus, UsageOutbox
@@ -60,7 +61,7 @@ async def test_ensure_account_is_idempotent_and_checks_plans(sessions) -> None:
         first = await ensure_account(session, "acme")
         again = await ensure_account(session, "acme")
         assert first.id == again.id and first.plan == "free"
-        with pytest.raises(AccountError, match="unknown plan"):
+        with pytest.raises(AccountError, match="Unknown plan"):
             await ensure_account(session, "acme", "platinum")
 
 

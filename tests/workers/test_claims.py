@@ -12,7 +12,7 @@ from flatfare import contract
 from flatfare.billing.plans import quota_window
 from flatfare.billing.quota import EPOCH_KEY, expiry
 from flatfare.contract import Endpoint, Job, Lane
-from flatfare.gateway.queueing import Admitted, LaneLimits, LaneQueue, QuotaClaim
+from flatfare.gateway.jobpath.queueing import Admitted, LaneLimits, LaneQueue, QuotaClaim
 from flatfare.workers.claims import Claimed, Claimer, LaneShare
 
 
@@ -169,3 +169,15 @@ async def test_a_withdrawn_job_leaves_its_queue_and_the_counts(redis) -> None:
     assert await redis.get(contract.queued_key("m", Lane.STANDARD)) == b"0"
     assert await redis.llen(contract.lane_ring("m", Lane.STANDARD)) == 0
     assert await claimer.claim(4, block_ms=10) == []
+
+
+async def test_a_dead_worker_s_batch_jobs_are_taken_over(redis) -> None:
+    dead, live = Claimer(redis, "m", "dead"), Claimer(redis, "m", "live")
+    await dead.setup()
+    for i in range(2):
+        job = Job(f"batch_x-{i}", Endpoint.CHAT, "{}", 0, lane=Lane.BATCH, reply_to=contract.BATCH_REPLIES)
+        await redis.xadd(contract.job_stream("m", Lane.BATCH), job.to_fields())
+    assert sum(len(c.entries) for c in await dead.claim(2, block_ms=10, batch_free=2)) == 2
+    time.sleep(0.05)
+    taken = await live.take_over(4, lease_ms=10, live_workers={"live"})
+    assert [(c.lane, c.reclaimed, len(c.entries)) for c in taken] == [(Lane.BATCH, True, 2)]

@@ -140,3 +140,47 @@ def test_an_option_the_installed_vllm_lacks_is_left_out_only_if_it_is_known_to_b
     new = argparse.ArgumentParser()
     new.add_argument("--tool-strict-level")
     assert without_unknown_newer_flags(argv, new) == argv
+
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-a2fb4a1d1a96d312-01"
+
+
+async def test_a_jobs_traceparent_reaches_vllms_serving_call_while_the_engine_exports_traces() -> None:
+    """vLLM's serving calls take the trace context from the HTTP request ``vllm serve`` would hand them:
+    the engine gives them one carrying the job's traceparent while vLLM exports traces (none otherwise), and
+    vLLM's own readers of that request find the trace headers in it and nothing else."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+
+    from flatfare.contract import Endpoint
+    from flatfare.workers.engine import Engine
+
+    handed: list[object] = []
+
+    async def serving_call(request: object, raw_request: object) -> object:
+        handed.append(raw_request)
+
+        async def events():  # a stream: what a streamed chat request returns
+            yield "data: [DONE]\n\n"
+        return events()
+
+    engine = Engine([])  # never started: its serving call is the recording one above
+    engine._served = "m"
+    engine._serving[Endpoint.CHAT] = (ChatCompletionRequest, serving_call)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "request_id": "r1"}
+    for tracing, traceparent in ((True, TRACEPARENT), (False, TRACEPARENT), (True, "")):
+        engine.tracing = tracing
+        assert (await engine.run(Endpoint.CHAT, dict(body), traceparent=traceparent)).stream is not None
+    traced, untraced, without = handed
+    assert untraced is None and without is None  # vLLM would drop the context, warning, when not exporting
+    assert await OpenAIServingChat._get_trace_headers(None, traced.headers) == {"traceparent": TRACEPARENT}
+    request = ChatCompletionRequest.model_validate(body)
+    # Everything else vLLM reads of the request is as without one.
+    assert OpenAIServingChat._base_request_id(traced, "r1") == "r1"
+    assert OpenAIServingChat._get_data_parallel_rank(traced) is None
+    assert OpenAIServingChat._get_session_id(request, traced) is None
+    assert OpenAIServingChat._get_priority(request, traced) == request.priority
+    traced.state.request_metadata = "kept"  # where vLLM leaves the request's metadata
+    # The operator switches vLLM's export on in the catalog's engine options (docs/OPERATIONS.md).
+    argv = " ".join(engine_argv("/models/m", "m", {"otlp_traces_endpoint": "http://collector:4317"}))
+    assert "--otlp-traces-endpoint http://collector:4317" in argv

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -17,11 +18,12 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from flatfare import contract
+from flatfare import contract, tracecontext
 from flatfare.billing.plans import quota_window
 from flatfare.billing.quota import EPOCH_KEY, expiry
 from flatfare.contract import Endpoint, Job, Lane, Reply, ReplyKind, Usage, WorkerInfo
-from flatfare.gateway.queueing import LaneLimits, LaneQueue, QuotaClaim
+from flatfare.gateway.jobpath.queueing import LaneLimits, LaneQueue, QuotaClaim
+from flatfare.logs import JsonLinesFormatter
 from flatfare.redis_conn import connect
 from flatfare.workers.claims import Claimer
 from flatfare.workers.instant import FILLER, InstantEngine
@@ -353,3 +355,84 @@ async def test_a_worker_beats_as_soon_as_its_last_job_ends(redis, start_worker, 
         return info is not None and info.inflight == 0 and info.last_used_ms >= before
 
     await _eventually(idle_seen)
+
+
+class TracedEngine(InstantEngine):
+    """The instant engine, keeping the trace context each request was handed."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.traceparents: dict[str, str] = {}
+
+    async def run(self, endpoint: Endpoint, body: dict[str, Any], traceparent: str = "") -> Any:
+        self.traceparents[body["request_id"]] = traceparent
+        return await super().run(endpoint, body, traceparent)
+
+
+async def test_a_job_runs_under_a_span_of_the_workers_in_its_requests_trace(redis, start_worker) -> None:
+    """The job's traceparent (the gateway's span) is continued: the engine gets a span of the worker's in
+    the same trace, and every line the worker writes of the job carries it, the cancel listener's too."""
+    records: list[dict[str, Any]] = []
+
+    class Lines(logging.Handler):  # the process's real formatter, its context fields included
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(json.loads(JsonLinesFormatter().format(record)))
+
+    handler = Lines(logging.INFO)
+    logger = logging.getLogger("flatfare.worker")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        engine = TracedEngine(tokens=1000, token_delay_s=0.01)
+        await start_worker(engine)
+        gateway = tracecontext.continue_or_start("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+        await _queue(redis, replace(_job("traced", {**CHAT, "max_tokens": 2}), traceparent=gateway.header()))
+        await _queue(redis, replace(_job("traced-slow", {**CHAT, "stream": True}), traceparent=gateway.header()))
+        await _queue(redis, _job("untraced", {**CHAT, "max_tokens": 2}))  # from a gateway that sends none
+        await _answered(redis, "traced")
+        await _answered(redis, "untraced")
+        await _eventually(lambda: _replies(redis, "traced-slow"))
+
+        async def aborted() -> bool:
+            await redis.publish(contract.CANCEL_CHANNEL, "traced-slow")
+            return engine.unfinished_requests() == 0
+
+        await _eventually(aborted)
+        await _settled(redis)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    spans = {}
+    for request_id in ("traced", "traced-slow"):
+        trace_id, span_id, flags = tracecontext.parse(engine.traceparents[request_id])
+        assert (trace_id, flags) == (gateway.trace_id, "01") and span_id != gateway.span_id
+        spans[request_id] = span_id
+        mine = [r for r in records if r.get("request_id") == request_id]
+        assert mine and all((r["trace_id"], r["span_id"]) == (trace_id, span_id) for r in mine), mine
+    assert spans["traced"] != spans["traced-slow"]
+    assert any(r["message"] == "answered traced: 200" for r in records)
+    assert any(r["message"] == "aborting traced-slow: its client went away" and r["request_id"] == "traced-slow"
+               for r in records)
+    untraced = tracecontext.parse(engine.traceparents["untraced"])  # a trace of its own
+    assert untraced is not None and untraced[0] != gateway.trace_id
+    assert {r["trace_id"] for r in records if r.get("request_id") == "untraced"} == {untraced[0]}
+
+
+async def test_a_job_acknowledged_while_its_lease_renewal_was_on_its_way_is_not_reported_lost(redis_url) -> None:
+    """The renewal finds the entry of a job that is ending gone (the job's acknowledgement deleted it
+    between the renewal's snapshot and its XCLAIM): that job is not one whose entry Redis lost, so its
+    gateway gets no HELD reply and the log no warning. One still running whose entry is gone does."""
+    client = connect(redis_url)
+    try:
+        engine = InstantEngine(tokens=4)
+        info = WorkerInfo(worker_id="w1", model=POOL, max_model_len=engine.max_model_len, capacity=8,
+                          engine="instant", started_ms=now_ms())
+        loop = WorkerLoop(client, engine, info)
+        stream = contract.job_stream(POOL, Lane.STANDARD)
+        loop.entries = {"ending": (stream, b"1-0", _job("ending")), "running": (stream, b"2-0", _job("running"))}
+        loop._acking.add("ending")
+        assert loop._still_holding({(stream, b"1-0")}) == 0
+        assert loop._still_holding({(stream, b"1-0"), (stream, b"2-0")}) == 1
+    finally:
+        await client.aclose()

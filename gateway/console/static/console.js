@@ -21,6 +21,12 @@
     if (message && !window.confirm(message)) event.preventDefault();
   }, true);
 
+  // <form data-autosubmit> is sent when one of its selects changes (its button stays for no-script use).
+  document.addEventListener("change", function (event) {
+    var form = event.target.closest && event.target.closest("form[data-autosubmit]");
+    if (form && event.target.tagName === "SELECT") form.submit();
+  });
+
   // [data-tabs] holds .tab buttons (data-tab="name") and .tab-panel elements (data-panel="name").
   onReady(function () {
     document.querySelectorAll("[data-tabs]").forEach(function (group) {

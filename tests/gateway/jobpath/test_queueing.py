@@ -1,0 +1,98 @@
+"""Lane admission against a real redis-server: depth bounds, and the drain-rate bound that only a
+sustained backlog may set. Jobs go in as production puts them, through ``LaneQueue.admit`` (the same
+script counts the quota; here an unlimited account's, so only the lane's bound refuses)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+
+from flatfare import contract
+from flatfare.billing.plans import quota_window
+from flatfare.billing.quota import EPOCH_KEY, expiry
+from flatfare.contract import Endpoint, Job, Lane
+from flatfare.gateway.errors import APIError
+from flatfare.gateway.jobpath.queueing import Admitted, DrainRate, LaneLimits, LaneQueue, QuotaClaim
+
+POOL = "m"
+
+
+@pytest.fixture
+async def redis(redis):  # conftest's client, with the quota counters trusted (the epoch marker set)
+    await redis.set(EPOCH_KEY, 1)
+    return redis
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _queue(redis, clock: Clock, max_depth: int = 1000, max_wait_s: float = 2.0) -> LaneQueue:
+    queue = LaneQueue(redis, {lane: LaneLimits(max_depth, max_wait_s) for lane in Lane})
+    queue.drain = DrainRate(redis, window_s=10.0, sample_every_s=0.5, clock=clock)
+    return queue
+
+
+def _job(i: int) -> Job:
+    return Job(request_id=f"r{i}", endpoint=Endpoint.CHAT, body="{}", enqueued_ms=0)
+
+
+async def _admit(queue: LaneQueue, i: int) -> Admitted:
+    window = quota_window("UTC", datetime.now(UTC))
+    return await queue.admit(_job(i), POOL, QuotaClaim(1, window.day, None, expiry(window.resets_at)))
+
+
+async def test_the_static_depth_bound_refuses_at_once(redis) -> None:
+    queue = _queue(redis, Clock(), max_depth=3)
+    for i in range(3):
+        await _admit(queue, i)
+    with pytest.raises(APIError) as refused:
+        await _admit(queue, 3)
+    assert refused.value.status == 429 and refused.value.code == "queue_full"
+    assert await redis.get(contract.queued_key(POOL, Lane.STANDARD)) == b"3"  # nothing added
+
+
+async def test_a_burst_after_a_trickle_is_not_bounded_by_the_trickle(redis) -> None:
+    """A lane that drained one job every few seconds because only that many came says nothing about
+    what its workers can do: a burst after it is queued, not refused."""
+    clock = Clock()
+    queue = _queue(redis, clock, max_wait_s=2.0)
+    taken = [contract.account_queue(POOL, Lane.STANDARD, 1), contract.lane_ring(POOL, Lane.STANDARD),
+             contract.queued_key(POOL, Lane.STANDARD)]
+    for i in range(6):  # one request every 3 s, each taken at once: the lane is empty at every admission
+        await _admit(queue, i)
+        await redis.delete(*taken)
+        await redis.incr(contract.drained_key(POOL, Lane.STANDARD))
+        clock.now += 3
+    for i in range(6, 46):  # then forty at once
+        await _admit(queue, i)
+    assert await redis.get(contract.queued_key(POOL, Lane.STANDARD)) == b"40"
+
+
+async def test_a_sustained_backlog_is_bounded_by_its_drain_rate(redis) -> None:
+    clock = Clock()
+    queue = _queue(redis, clock, max_wait_s=2.0)
+    drained = contract.drained_key(POOL, Lane.STANDARD)
+    for i in range(8):  # a backlog from the start
+        await _admit(queue, i)
+    refused = None
+    for step in range(1, 12):  # workers take 3 jobs a second; 8 more arrive each second
+        clock.now += 1
+        await redis.incrby(drained, 3)
+        try:
+            for i in range(8):
+                await _admit(queue, 100 * step + i)
+        except APIError as exc:
+            refused = exc
+            break
+    assert refused is not None and refused.status == 429 and refused.code == "queue_full"
+    # Bounded once the backlog had lasted half the window (5 s), at 3 jobs/s x 2 s of waiting = 6,
+    # which the 40 queued by then exceed; Retry-After is the time to drain them at 3/s.
+    assert step == 5
+    assert "(40 requests waiting)" in refused.message
+    assert refused.headers["Retry-After"] == "14"
