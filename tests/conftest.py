@@ -220,9 +220,10 @@ def stop_process(proc: subprocess.Popen[bytes]) -> None:
 def launch_stack(data: Path, *, model: str = "smollm2-135m-instruct", worker_args: tuple[str, ...] = (),
                  gateway_processes: int = 1, env: dict[str, str] | None = None,
                  account_plan: str = "pro", database_url: str | None = None,
-                 port: int | None = None) -> Iterator[Stack]:
+                 port: int | None = None, before_start: tuple[str, ...] = ()) -> Iterator[Stack]:
     """Migrations, a private redis-server, one worker and the gateway (on ``port``, or a free one);
-    stopped on exit."""
+    stopped on exit. ``before_start``: SQL run after the migrations, before any process starts, for what
+    a gateway caches (a plan's price): changed later, the first requests could still see the seeded row."""
     logs = data / "logs"
     logs.mkdir(parents=True)
     local_redis = LocalRedis(data / "redis", persist=False).start()
@@ -240,6 +241,14 @@ def launch_stack(data: Path, *, model: str = "smollm2-135m-instruct", worker_arg
         **(env or {}),
     }
     migrate(database_url)
+    if before_start:
+        engine = create_engine(sync_url(database_url))
+        try:
+            with engine.begin() as conn:
+                for statement in before_start:
+                    conn.execute(text(statement))
+        finally:
+            engine.dispose()
     port = port or free_port()
     flatfare = [sys.executable, "-m", "flatfare"]
     worker = subprocess.Popen([*flatfare, "worker", "--model", model, *worker_args], env=full_env, cwd=data,

@@ -31,9 +31,9 @@ DISCOUNT = 25
 @pytest.fixture(scope="module")
 def bstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with launch_stack(tmp_path_factory.mktemp("batches"), model=MODEL, worker_args=("--engine", "instant"),
-                      env={"FLATFARE_INSTANT_FIRST_TOKEN_DELAY_S": "0.1"}) as stack:
-        stack.sql("UPDATE plans SET price_per_request_micros = :p, batch_discount_percent = :d WHERE name = 'pro'",
-                  p=PRICE, d=DISCOUNT)
+                      env={"FLATFARE_INSTANT_FIRST_TOKEN_DELAY_S": "0.1"},
+                      before_start=(f"UPDATE plans SET price_per_request_micros = {PRICE}, "
+                                    f"batch_discount_percent = {DISCOUNT} WHERE name = 'pro'",)) as stack:
         yield stack
 
 

@@ -24,6 +24,8 @@ from tests.conftest import eventually, launch_stack
 pytestmark = pytest.mark.e2e
 
 SECRET = "whsec_flatfare_test"
+# The operator's sales contact, shown on the console's plans page (tests/console/test_billing_pages.py).
+SALES = "sales@flatfare.test"
 PRICES = {"pro": "price_pro", "premium": "price_premium", "free": "price_free"}
 # The seeded plans have no per-request price (0010); premium gets an operator's here, with its metered
 # Stripe price, so its requests are metered; pro stays flat unless a test gives it a price.
@@ -56,11 +58,12 @@ def billing(tmp_path_factory) -> Iterator[tuple]:
            "FLATFARE_STRIPE_METERED_PRICES": json.dumps(METERED),
            "FLATFARE_STRIPE_BATCH_METERED_PRICES": json.dumps({"premium": "price_premium_batch"}),
            "FLATFARE_BILLING_OUTBOX_INTERVAL_S": "0.2", "FLATFARE_AUTH_CACHE_TTL_S": "0.1",
-           "FLATFARE_PLANS_CACHE_TTL_S": "0.1"}
+           "FLATFARE_PLANS_CACHE_TTL_S": "0.1", "FLATFARE_SALES_CONTACT": SALES}
     try:
         with launch_stack(tmp_path_factory.mktemp("billing"), model=MODEL, worker_args=("--engine", "instant"),
-                          env=env, account_plan="free") as stack:
-            stack.sql("UPDATE plans SET price_per_request_micros = :p WHERE name = 'premium'", p=PREMIUM_PRICE_MICROS)
+                          env=env, account_plan="free",
+                          before_start=(f"UPDATE plans SET price_per_request_micros = {PREMIUM_PRICE_MICROS} "
+                                        "WHERE name = 'premium'",)) as stack:
             ls = httpx.Client(base_url=stripe_url, headers={"Authorization": "Bearer sk_test_flatfare"})
             ls.post("/_config/webhooks/flatfare", data={"url": f"{stack.base_url}/billing/stripe/webhook",
                                                         "secret": SECRET})

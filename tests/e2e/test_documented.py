@@ -35,6 +35,8 @@ pytestmark = pytest.mark.e2e
 # The gateway's FLATFARE_REQUEST_TIMEOUT_S in this module: short, so a timeout is quick to reach, and
 # longer than every answer the tests wait for (their slow workers take 2-3 s).
 TIMEOUT_S = 6
+# Pro metered per request, as an operator may price it.
+PRO_PRICED = "UPDATE plans SET price_per_request_micros = 2000 WHERE name = 'pro'"
 DAY_S = 24 * 3600
 
 
@@ -42,10 +44,9 @@ DAY_S = 24 * 3600
 def dstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     env = {"FLATFARE_REQUEST_TIMEOUT_S": str(TIMEOUT_S), "FLATFARE_AUTH_CACHE_TTL_S": "0.1",
            "FLATFARE_POOLS_CACHE_TTL_S": "0.1"}
+    # The seeded plans are flat (0010); the outbox checks need pro priced per request, as an operator may.
     with launch_stack(tmp_path_factory.mktemp("documented"), model="instant", worker_args=("--engine", "instant"),
-                      env=env) as stack:
-        # The seeded plans are flat (0010); the outbox checks need pro priced per request, as an operator may.
-        stack.sql("UPDATE plans SET price_per_request_micros = 2000 WHERE name = 'pro'")
+                      env=env, before_start=(PRO_PRICED,)) as stack:
         yield stack
 
 
@@ -359,10 +360,10 @@ def test_one_gateway_process_sends_the_outbox_at_a_time(tmp_path: Path, call_s: 
            "FLATFARE_STRIPE_API_BASE": edge.url, "FLATFARE_STRIPE_PRICES": json.dumps({"pro": "price_pro"}),
            "FLATFARE_BILLING_OUTBOX_INTERVAL_S": "0.2"}
     try:
+        # Pro metered (0010 seeds flat plans) before the gateway starts: its plans cache never saw it free.
         with launch_stack(tmp_path, model="instant", worker_args=("--engine", "instant"), gateway_processes=3,
-                          env=env) as stack:
+                          env=env, before_start=(PRO_PRICED,)) as stack:
             stack.sql("UPDATE accounts SET stripe_customer_id = 'cus_outbox' WHERE name = 'e2e'")
-            stack.sql("UPDATE plans SET price_per_request_micros = 2000 WHERE name = 'pro'")  # metered (0010: flat)
             with httpx.Client(base_url=stack.base_url, timeout=30,
                               headers={"Authorization": f"Bearer {stack.api_key}"}) as http:
                 ids = []

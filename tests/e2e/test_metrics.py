@@ -117,10 +117,11 @@ def mstack(tmp_path_factory: pytest.TempPathFactory, receiver: OTLPReceiver) -> 
            "FLATFARE_TRACES_ENDPOINT": receiver.url, "FLATFARE_TRACES_SAMPLE_RATIO": "1",
            "OTEL_BSP_SCHEDULE_DELAY": "100"}
     with launch_stack(tmp_path_factory.mktemp("metrics"), model=MODEL, worker_args=("--engine", "instant"),
-                      gateway_processes=2, env=env) as stack:
-        # The seeded plans sell flat (migration 0010): give them a per-request price, so the outbox gauges
-        # have meter events to count.
-        stack.sql("UPDATE plans SET price_per_request_micros = 2000 WHERE name IN ('pro', 'premium')")
+                      gateway_processes=2, env=env,
+                      # The seeded plans sell flat (migration 0010): give them a per-request price, so the
+                      # outbox gauges have meter events to count.
+                      before_start=("UPDATE plans SET price_per_request_micros = 2000 "
+                                    "WHERE name IN ('pro', 'premium')",)) as stack:
         yield stack
 
 

@@ -31,9 +31,10 @@ def qstack(tmp_path_factory):
     env = {"FLATFARE_REQUEST_TIMEOUT_S": "4", "FLATFARE_AUTH_CACHE_TTL_S": "0.2",
            "FLATFARE_PLANS_CACHE_TTL_S": "0.2"}
     with launch_stack(tmp_path_factory.mktemp("quota"), model=MODEL, worker_args=("--engine", "instant"),
-                      gateway_processes=4, env=env) as stack:
-        # The seeded plans have no per-request price (0010); the ledger and outbox checks need one.
-        stack.sql("UPDATE plans SET price_per_request_micros = :price WHERE name = 'pro'", price=PRO_PRICE_MICROS)
+                      gateway_processes=4, env=env,
+                      # The seeded plans have no per-request price (0010); the ledger and outbox checks need one.
+                      before_start=(f"UPDATE plans SET price_per_request_micros = {PRO_PRICE_MICROS} "
+                                    "WHERE name = 'pro'",)) as stack:
         yield stack
 
 

@@ -224,11 +224,10 @@ async def test_kill_9_mid_stream_loses_no_job_and_charges_once(tmp_path) -> None
            "FLATFARE_STRIPE_API_KEY": "sk_test_kill", "FLATFARE_STRIPE_WEBHOOK_SECRET": "whsec_kill",
            "FLATFARE_STRIPE_API_BASE": edge.url, "FLATFARE_BILLING_OUTBOX_INTERVAL_S": "0.2",
            "FLATFARE_PLANS_CACHE_TTL_S": "0.1"}
-    with launch_stack(tmp_path, model=MODEL, worker_args=("--engine", "instant"), env=env) as stack:
+    # The seeded plans sell flat (migration 0010): a per-request price makes the e2e account's (pro) metered.
+    with launch_stack(tmp_path, model=MODEL, worker_args=("--engine", "instant"), env=env,
+                      before_start=("UPDATE plans SET price_per_request_micros = 2000 WHERE name = 'pro'",)) as stack:
         stack.sql("UPDATE accounts SET stripe_customer_id = 'cus_kill' WHERE name = 'e2e'")
-        # The seeded plans sell flat (migration 0010): a per-request price makes the request metered.
-        stack.sql("UPDATE plans SET price_per_request_micros = 2000 "
-                  "WHERE name = (SELECT plan FROM accounts WHERE name = 'e2e')")
         survivor = _worker(stack)
         _wait_warm(stack, survivor)
         client = _redis(stack)
