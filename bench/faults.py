@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import csv
 import os
 import random
@@ -93,6 +94,11 @@ class Rig:
     request_timeout_s: float = 10.0
     # Jobs each worker holds at once (0: the engine's capacity); fewer make jobs queue in Redis.
     max_inflight: int = 0
+    # How long the outbox's sender waits for Stripe's answer before it retries, and the longest it backs
+    # off after a failure (the tests' stripe_failing shortens both: each answer Stripe's edge holds costs
+    # the sender, which sends one row at a time, a whole timeout).
+    stripe_timeout_s: float = 1.0
+    outbox_max_backoff_s: float = 4.0
     redis: LocalRedis | None = None
     pg: PrivatePostgres | None = None
     edge: StripeEdge | None = None
@@ -135,12 +141,14 @@ class Rig:
                 "FLATFARE_INSTANT_TOKENS": str(self.shape.tokens),
                 "FLATFARE_INSTANT_FIRST_TOKEN_DELAY_S": str(self.shape.first_token_delay_s),
                 "FLATFARE_INSTANT_TOKEN_DELAY_S": str(self.shape.token_delay_s),
-                # gateways: a silent one is settled after 3 s; Stripe answers within 1 s or is retried
+                # gateways: a silent one is settled after 3 s; Stripe answers within its timeout (1 s) or
+                # is retried
                 "FLATFARE_GATEWAY_DEAD_AFTER_S": f"{3 + skew:g}", "FLATFARE_REQUEST_TIMEOUT_S": str(self.request_timeout_s),
                 "FLATFARE_LOST_JOB_AFTER_S": "2", "FLATFARE_MAX_INFLIGHT": str(self.max_inflight),
                 "FLATFARE_STRIPE_API_KEY": "sk_test_faults", "FLATFARE_STRIPE_WEBHOOK_SECRET": "whsec_faults",
-                "FLATFARE_STRIPE_API_BASE": self.edge.url, "FLATFARE_STRIPE_TIMEOUT_S": "1",
-                "FLATFARE_BILLING_OUTBOX_INTERVAL_S": "0.2", "FLATFARE_BILLING_OUTBOX_MAX_BACKOFF_S": "4",
+                "FLATFARE_STRIPE_API_BASE": self.edge.url, "FLATFARE_STRIPE_TIMEOUT_S": f"{self.stripe_timeout_s:g}",
+                "FLATFARE_BILLING_OUTBOX_INTERVAL_S": "0.2",
+                "FLATFARE_BILLING_OUTBOX_MAX_BACKOFF_S": f"{self.outbox_max_backoff_s:g}",
                 # the real engine: eager mode starts in ~40 s; prepared models are shared with the tests
                 "FLATFARE_MODELS_DIR": os.environ.get("FLATFARE_TEST_MODELS_DIR",
                                                       str(Path.home() / ".flatfare" / "models")),
@@ -148,26 +156,51 @@ class Rig:
                 "VLLM_NO_USAGE_STATS": "1"}
 
     def start(self) -> Rig:
-        self.start_books()
-        for index in range(self.workers):
-            self.worker_procs.append(self._worker(index))
-        for worker in self.worker_procs:
-            self.wait_worker(worker)
+        """Every process started as soon as what it needs runs, their start-ups overlapping: the instant
+        engine's workers need only Redis, so they start beside the database; the gateways need the
+        priced plan (start_books), and start together. The real engine's workers read the model
+        catalog, and start once the database is made; the gateways once they are warm (an engine
+        starting is starved by anything beside it)."""
+        self._start_stores()
+        if self.engine == "instant":
+            self._start_workers()
+        self._open_books()
+        if self.engine != "instant":
+            self._start_workers()
+            self._wait_workers()
         self.ports = [free_port() for _ in range(self.gateways)]
         self.dead_ports = set(self.ports)  # none answers yet
-        self.gateway_procs = [None] * self.gateways
+        self.gateway_procs = [self._gateway(index) for index in range(self.gateways)]
+        self._wait_workers()
         for index in range(self.gateways):
-            self.start_gateway(index)
+            self.wait_gateway(index)
+            self.dead_ports.discard(self.ports[index])
         return self
+
+    def _start_workers(self) -> None:
+        for index in range(self.workers):
+            self.worker_procs.append(self._worker(index))
+
+    def _wait_workers(self) -> None:
+        for worker in self.worker_procs:
+            self.wait_worker(worker)
 
     def start_books(self) -> Rig:
         """Where the money is recorded, without a process to move it: Stripe's edge, Redis, the
         migrated database and the account with its key (tests/faults/test_audit.py plants faults in them)."""
+        self._start_stores()
+        return self._open_books()
+
+    def _start_stores(self) -> None:
+        """Stripe's edge and Redis (and the clocks' files: every process started reads them)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         if self.clock_offsets_s is not None:
             self.set_clock_offsets(self.clock_offsets_s)
         self.edge = StripeEdge(seed=7).start()
         self.redis = LocalRedis(self.workdir / "redis", persist=self.persist_redis).start()
+
+    def _open_books(self) -> Rig:
+        """The database, migrated, with the account, its key and its priced plan."""
         if self.postgres:
             reason = postgres_unavailable()
             if reason:
@@ -275,6 +308,16 @@ class Rig:
         self.gateway_procs[index] = None
 
     def stop(self) -> None:
+        # The gateways and workers told to stop all at once (each drains on its own), and waited for
+        # before anything else: PostgreSQL's smart shutdown waits for its clients to leave.
+        running = [s for s in (*self.gateway_procs, *self.worker_procs) if s is not None and s.alive()]
+        for service in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(service.pid, signal.SIGTERM)
+        for service in running:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                service.process.wait(timeout=20)  # type: ignore[union-attr]
+            self.services.stop(service)  # what outlived it (SIGKILL to its group), or it after 20 s
         self.services.stop_all()
         if self.redis is not None:
             self.redis.stop()
@@ -306,7 +349,7 @@ class Rig:
             audit = self.audit()
             if audit.settled or time.monotonic() > deadline:
                 return audit
-            time.sleep(0.5)
+            time.sleep(0.2)
 
 
 # -- the clients ----------------------------------------------------------------------------------
@@ -467,13 +510,14 @@ async def sigterm_drain(rig: Rig, reps: int) -> Clients:
     """Two workers, 50 requests a second open-loop (each holds a worker 0.6 s), 6 s a repetition:
     2 s in, one worker gets SIGTERM; it finishes what it holds and takes nothing new."""
     clients = Clients(rig, stream_share=0.5)
-    for _ in range(reps):
+    for rep in range(reps):
         load = asyncio.create_task(clients.open_loop(50, 6))
         await asyncio.sleep(2)
         rig.kill_worker(0, signal.SIGTERM)
         await _in_thread(rig.worker_procs[0].process.wait)  # type: ignore[union-attr]
         await load
-        await _in_thread(rig.restart_worker, 0)
+        if rep < reps - 1:  # for the next repetition (after the last, nothing is sent)
+            await _in_thread(rig.restart_worker, 0)
     await clients.close()
     return clients
 
@@ -615,6 +659,9 @@ class Scenario:
     test_reps: int
     # What the row does, where the run function's docstring does not say it.
     about: str = ""
+    # Rig options of the tests' runs (run_scenario's ``quick``) over ``rig``: waits shortened where the
+    # check does not need their length.
+    test_rig: dict[str, object] = field(default_factory=dict)
 
 
 SCENARIOS = [
@@ -632,14 +679,19 @@ SCENARIOS = [
              {"daily_limit": 200, "request_timeout_s": 60.0, "max_inflight": 2,
               "shape": Shape(tokens=8, token_delay_s=0.05)}, 2, 1),
     Scenario("postgres_stop", "PostgreSQL stopped 3 s and started", postgres_stop, {"postgres": True}, 2, 1),
-    Scenario("stripe_failing", "Stripe 5xx (30 %) and lost answers (10 %)", stripe_failing, {}, 2, 1),
+    # The tests' sender gives up on Stripe after 0.25 s, not 1 s (the edge holds a lost answer 2 s, past
+    # either), and backs off 1 s at most: a lost answer costs it a quarter as long, and the last retries
+    # wait 1 s, not 4 s.
+    Scenario("stripe_failing", "Stripe 5xx (30 %) and lost answers (10 %)", stripe_failing, {}, 2, 1,
+             test_rig={"stripe_timeout_s": 0.25, "outbox_max_backoff_s": 1.0}),
     Scenario("day_boundary", "midnight crossed, two gateways 1.5 s apart", day_boundary,
              {"gateways": 2, "clock_offsets_s": "midnight"}, 1, 1),
 ]
 
 
-def run_scenario(scenario: Scenario, workdir: Path, reps: int) -> Row:
-    options = dict(scenario.rig)
+def run_scenario(scenario: Scenario, workdir: Path, reps: int, *, quick: bool = False) -> Row:
+    """Run ``scenario`` ``reps`` times on a rig of its own; ``quick``: the tests' run (its ``test_rig``)."""
+    options = {**scenario.rig, **(scenario.test_rig if quick else {})}
     if options.get("clock_offsets_s") == "midnight":  # day_boundary sets them back once all runs
         options["clock_offsets_s"] = [_to_midnight(0.0), _to_midnight(0.0) + 1.5]
     with_services = Services()
@@ -753,7 +805,8 @@ HEADER = ("# Faults under load\n\n`python -m bench faults`, {date}, {cores} core
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", nargs="*", choices=[s.name for s in SCENARIOS],
                         help="run these scenarios only (the other rows of the table stay)")
-    parser.add_argument("--quick", action="store_true", help="the tests' repetitions instead of the bench's")
+    parser.add_argument("--quick", action="store_true",
+                        help="the tests' repetitions and rig options instead of the bench's")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/flatfare-faults"))
     parser.add_argument("--out", type=Path, default=RESULTS)
 
@@ -769,7 +822,7 @@ def run(args: argparse.Namespace) -> int:
         reps = scenario.test_reps if args.quick else scenario.bench_reps
         print(f"{scenario.name}: {scenario.fault}, {reps} repetitions", flush=True)
         started = time.monotonic()
-        row = run_scenario(scenario, args.workdir / scenario.name, reps)
+        row = run_scenario(scenario, args.workdir / scenario.name, reps, quick=args.quick)
         print("  " + " | ".join(_cells(row, commit)) + f"  ({time.monotonic() - started:.0f} s)", flush=True)
         rows.append(row)
     write(rows, args.out, commit, merge=bool(args.only))

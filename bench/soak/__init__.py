@@ -171,7 +171,8 @@ async def _batches_done(clients: load.SoakClients, deadline_s: float) -> dict[st
             body = response.json()
             if body.get("status") in ("completed", "failed", "expired", "cancelled"):
                 ends[batch_id] = {"status": body["status"], **body.get("request_counts", {})}
-        await asyncio.sleep(1)
+        if len(ends) < len(clients.events.batches):  # some still run: look again shortly
+            await asyncio.sleep(0.25)
     return {"submitted": len(clients.events.batches), "ended": ends,
             "lines_done": sum(e.get("completed", 0) for e in ends.values())}
 
