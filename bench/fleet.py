@@ -56,6 +56,8 @@ START_MARGIN_S = 30.0
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=("vllm", "instant"), default="vllm",
                         help="instant: the machinery only, on the benchmark engine (no model)")
+    parser.add_argument("--instant-delays", type=float, nargs=3, metavar=("START_S", "SLEEP_S", "WAKE_S"),
+                        help="--engine instant: its start, sleep and wake in seconds (default: INSTANT_ENV's)")
     parser.add_argument("--max-tokens", type=int, default=16)
 
 
@@ -85,6 +87,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rep = sub.add_parser("report", help="gpu's JSON files as bench/results/fleet_gpu.md and .png")
     rep.add_argument("paths", type=Path, nargs="+")
     rep.add_argument("--out", type=Path, default=RESULTS / "fleet_gpu")
+
+
+def instant_env(args: argparse.Namespace) -> dict[str, str]:
+    """The workers' environment for ``--engine`` (nothing for vLLM): INSTANT_ENV, with ``--instant-delays``."""
+    if args.engine != "instant":
+        return {}
+    if not args.instant_delays:
+        return dict(INSTANT_ENV)
+    start, sleep, wake = args.instant_delays
+    return {**INSTANT_ENV, "FLATFARE_INSTANT_START_DELAY_S": str(start), "FLATFARE_INSTANT_SLEEP_DELAY_S": str(sleep),
+            "FLATFARE_INSTANT_WAKE_DELAY_S": str(wake)}
 
 
 # -- what is measured --------------------------------------------------------------------------------
@@ -277,7 +290,7 @@ def run_cpu(args: argparse.Namespace) -> Run:
         bench = FleetBench(group, args.workdir, {"FLATFARE_ENGINE_OPTIONS": json.dumps(options),
                                                  "FLATFARE_MODELS_DIR": str(args.models_dir),
                                                  "VLLM_CPU_KVCACHE_SPACE": "1",
-                                                 **(INSTANT_ENV if args.engine == "instant" else {})})
+                                                 **instant_env(args)})
         try:
             bench.start()
             source, stored = bench.entry(SMOLLM2)
@@ -324,7 +337,7 @@ def run_gpu(args: argparse.Namespace) -> Run:
         sequence = [m for m in models for _ in range(2)] + [m for _ in range(args.rounds - 1) for m in models]
     run.meta["models"] = models
     with services() as group:
-        bench = FleetBench(group, args.workdir, INSTANT_ENV if args.engine == "instant" else {})
+        bench = FleetBench(group, args.workdir, instant_env(args))
         try:
             bench.start()
             bench.catalog({m: (folder, options) for m in models})

@@ -86,6 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run_.add_argument("--prompt-scale", type=float, default=1.0, help="scale the trace's prompt lengths (CPU runs)")
     run_.add_argument("--max-output", type=int, default=0, help="cap the trace's output lengths (CPU runs)")
     run_.add_argument("--batch-wait-s", type=float, default=30.0, help="after the replay, wait for batch lines")
+    run_.add_argument("--idle-settle-s", type=float, default=2.0,
+                      help="before each phase, this long more once the platform is idle (the tests shorten it)")
     run_.add_argument("--slo-ttft-s", type=float, default=2.0)
     run_.add_argument("--slo-tpot-s", type=float, default=0.1)
     run_.add_argument("--plan-from", type=Path, help="--system vllm: the Flatfare run's JSON (its window and options)")
@@ -246,7 +248,7 @@ class Sampler:
         self._thread.join(10)
 
 
-def _wait_idle(platform: Platform, timeout_s: float = 180) -> None:
+def _wait_idle(platform: Platform, settle_s: float = 2.0, timeout_s: float = 180) -> None:
     from flatfare import contract
 
     deadline = time.monotonic() + timeout_s
@@ -256,7 +258,7 @@ def _wait_idle(platform: Platform, timeout_s: float = 180) -> None:
                          for lane in contract.LIVE_LANES)
         busy = sum(w.inflight for w in platform.workers())
         if queued == 0 and busy == 0:
-            time.sleep(2.0)
+            time.sleep(settle_s)
             return
         time.sleep(1.0)
     say(f"the platform was still busy after {timeout_s:.0f} s; the next phase starts anyway")
@@ -272,7 +274,8 @@ async def _run_phase(name: str, platform: Platform, sched: Scheduled, keys: dict
     else:
         live = [s for s in live if sched.book[s.rank].model == schedule.MAIN]
     batches: list[tuple[int, str]] = []
-    lines = batch_lines([s for s in sends if s.batch], platform.main.name, words, sched.max_tokens, args.seed + 1)
+    lines = batch_lines([s for s in sends if s.batch], platform.main.name, words, sched.max_tokens, args.seed + 1,
+                        sched.prompt_tokens)
     progress: list[dict[str, Any]] = []
     if lines:
         batches = await platform.submit_batches(keys, lines)
@@ -391,7 +394,7 @@ def run_flatfare(args: argparse.Namespace) -> dict[str, Any]:
                     if args.end_by and time.time() + needed > args.end_by:
                         say(f"{name}: skipped, {args.end_by - time.time():.0f} s left and it needs ~{needed:.0f}")
                         continue
-                    _wait_idle(platform)
+                    _wait_idle(platform, args.idle_settle_s)
                     data["phases"][name] = asyncio.run(_run_phase(name, platform, sched, keys[name], words, args, slo))
                     data["samples"] = sampler.samples
                     _write(args.out, data)

@@ -316,16 +316,19 @@ def _tree_rss_mib(pid: int, children: bool = True) -> float | None:
         return None
 
 
-def batch_lines(sends: list[Send], model: str, words: Any, max_tokens: Any,
-                seed: int) -> dict[int, list[dict[str, Any]]]:
-    """The schedule's batch lines as chat bodies, per account."""
+def batch_lines(sends: list[Send], model: str, words: Any, max_tokens: Any, seed: int,
+                prompt_tokens: Any = None) -> dict[int, list[dict[str, Any]]]:
+    """The schedule's batch lines as chat bodies, per account; ``prompt_tokens(send)``: a line's prompt length
+    (default: the trace's), so that ``--prompt-scale`` shortens the lines as it does the live requests (a CPU
+    run took a line at a time for seconds each, one longer than the model's context)."""
     import random
 
     rng = random.Random(seed)
     lines: dict[int, list[dict[str, Any]]] = {}
     for send in sends:
         if send.batch:
+            tokens = prompt_tokens(send) if prompt_tokens is not None else send.prompt_tokens
             lines.setdefault(send.rank, []).append(
-                {"model": model, "messages": [{"role": "user", "content": words.prompt(send.prompt_tokens, rng)}],
+                {"model": model, "messages": [{"role": "user", "content": words.prompt(tokens, rng)}],
                  "max_tokens": max_tokens(send), "ignore_eos": True})
     return lines

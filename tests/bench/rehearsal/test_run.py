@@ -56,9 +56,14 @@ def assert_the_checks_hold(data: dict[str, Any]) -> None:
 
 
 def test_the_machinery_on_the_instant_engine_with_two_models(tmp_path: Path) -> None:
+    # Two trace minutes in 5 s a phase: twice the compression and the peak load keep the sample (the heaviest
+    # Free account still sends past its quota), at a rate the instant engine takes in its stride; 45 accounts,
+    # made through the admin API for each phase, still reach the second model's (rank 40); a 1 s warm-up and
+    # a short settle, where nothing measured needs a longer one.
     data = rehearsal(tmp_path, "--second-name", "rehearsal-second", "--second-source",
-                     "builtin:smollm2-135m-instruct", "--window", "24", "26", "--compression", "12", "--capacity",
-                     "25", "--accounts", "80", "--batch-wait-s", "10", "--phases", "full", "no-heavy", "--warm-s", "3",
+                     "builtin:smollm2-135m-instruct", "--window", "24", "26", "--compression", "24", "--peak-load",
+                     "2.8", "--capacity", "25", "--accounts", "45", "--batch-wait-s", "10", "--phases", "full",
+                     "no-heavy", "--warm-s", "1", "--idle-settle-s", "0.5",
                      env={"FLATFARE_ENGINE": "instant", "FLATFARE_INSTANT_TOKEN_DELAY_S": "0.005"})
     assert_the_checks_hold(data)
     assert data["phases"]["full"]["groups"]["second_model"]["answered"] > 0
@@ -80,10 +85,15 @@ def test_the_machinery_on_the_instant_engine_with_two_models(tmp_path: Path) -> 
 
 def test_shortened_on_the_cpu_engine_with_the_pace_governor(tmp_path: Path) -> None:
     # One phase: the phases' filters are tests/bench/rehearsal/test_schedule.py's; the instant run has no-heavy's.
-    data = rehearsal(tmp_path, "--window", "26", "27", "--compression", "5", "--sample", "0.1", "--accounts",
+    # Half a trace minute (6 s, 18 live requests on every plan, 4 batch lines), prompts scaled down, batch lines'
+    # too: the engine's pace is known within seconds, and the lines end soon after the live requests.
+    data = rehearsal(tmp_path, "--window", "26", "26.5", "--compression", "5", "--sample", "0.1", "--accounts",
                      "60", "--prompt-scale", "0.05", "--max-output", "8", "--batch-wait-s", "30", "--phases", "full",
+                     "--idle-settle-s", "0.5",
                      "--main-options", '{"enforce_eager": true, "dtype": "float32", "max_model_len": 2048}',
-                     env={"VLLM_CPU_KVCACHE_SPACE": "1", "FLATFARE_PACE_SLACK": "1.3"})
+                     # vLLM's engine gets 1 s, not 5, to end its processes at the platform's stop (then killed).
+                     env={"VLLM_CPU_KVCACHE_SPACE": "1", "FLATFARE_PACE_SLACK": "1.3",
+                          "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "1"})
     assert_the_checks_hold(data)
     # The pace governor ran on the engine's own inter-token latencies (vLLM's stat logger, EnginePace).
     paces = [s["main_governor"]["pace_ms"] for s in data["samples"] if s.get("main_governor")]
