@@ -24,7 +24,11 @@ While work waits, the governor holds the pace within ``slack`` x the baseline. P
 cuts, at most once per ``cooldown_s`` (a lower limit only stops new starts; the pace falls as running
 jobs end), by as much as the pace is over (never by more than half): batch lines first, while any run
 (their allowance, :attr:`batch_limit`, goes down to what they hold times the cut, to zero if need be),
-else the standard limit, down to ``floor`` at least, so the standard lane always moves. A batch line
+and the standard limit too, down to ``floor`` at least (so the standard lane always moves), where no
+lines run or, while live work waits, where the lines running are fewer than what the cut takes off:
+the third GPU rehearsal opened each phase with 16 lines running and a burst of standard jobs; every cut
+went to the lines' allowance, already at zero, while the standard lane doubled each window to 128 jobs
+and the pace went to 20-60 ms against a target of 8 ms for 25 s, until the last line ended. A batch line
 thus never costs a live request its slot: in the first GPU rehearsal one limit for both let lines that
 slowed the pace cut the standard lane, and live requests waited up to 0.6 s in it (TTFT p99 1.8x the
 run without lines). Under 0.9 x the target the standard limit grows by a sixteenth a window where it
@@ -131,9 +135,12 @@ class PaceGovernor:
         if self.pace_s > target and (backlog or batch):
             if now - self._last_cut >= self.cooldown_s:
                 cut = max(MAX_CUT, min(DECREASE, target / self.pace_s))
-                if batch:  # the lines first: they are the work nobody waits on
+                # What must stop running for the pace to come back: the lines first (the work nobody waits
+                # on); the standard lane too, under a backlog, when the lines running are fewer than that.
+                excess = standard + batch - int((standard + batch) * cut)
+                if batch:
                     self.batch_allowed = int(min(self.batch_allowed, batch) * cut)
-                else:
+                if not batch or (backlog and batch < excess):
                     self.allowed = max(self.floor, int(min(self.allowed, standard) * cut))
                 self._last_cut = now
         elif self.pace_s < target * RAISE_BELOW:

@@ -41,7 +41,10 @@ class DrainRate:
     ``window_s``. Only a backlog says what the workers can do: a lane seen empty at an admission
     forgets its samples, so an idle lane, or one whose jobs are claimed as they come (a slow engine
     takes a batch, runs it for seconds, then takes the next), never bounds a burst by a rate that
-    measured demand instead of capacity. 0.0 means "not known": no bound from the rate."""
+    measured demand instead of capacity. Until a new backlog has lasted half the window, the rate the
+    last one measured stands (the third GPU rehearsal's bursts came every few seconds, each forgetting the
+    last one's rate: admitted at the static depth bound, 7 % of the standard requests then waited 1.5-7.7 s,
+    past the lane's 1.5 s limit). 0.0 means "not known" (no backlog measured yet): no bound from the rate."""
 
     def __init__(self, redis: aioredis.Redis, window_s: float = 10.0, sample_every_s: float = 0.5,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -50,6 +53,7 @@ class DrainRate:
         self._every = sample_every_s
         self._clock = clock
         self._samples: dict[str, deque[tuple[float, int]]] = {}  # key -> (when, drained count), oldest first
+        self._measured: dict[str, float] = {}  # key -> the rate its last backlog measured
 
     async def rate(self, model: str, lane: Lane) -> float:
         key = contract.drained_key(model, lane)
@@ -61,8 +65,9 @@ class DrainRate:
             samples.popleft()
         (first, taken_then), (last, taken_now) = samples[0], samples[-1]
         if last - first < self._window_s / 2:
-            return 0.0
-        return max(taken_now - taken_then, 0) / (last - first)
+            return self._measured.get(key, 0.0)
+        self._measured[key] = max(taken_now - taken_then, 0) / (last - first)
+        return self._measured[key]
 
     def saw(self, model: str, lane: Lane, queued: int) -> None:
         """An admission found ``queued`` jobs waiting on the lane; none: the backlog is over."""

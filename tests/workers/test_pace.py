@@ -120,6 +120,22 @@ def test_batch_lines_that_slow_the_pace_are_cut_and_the_standard_lane_is_not() -
     assert governor.batch_limit == 1
 
 
+def test_a_standard_burst_beside_a_few_lines_cuts_the_standard_lane_too() -> None:
+    """The third GPU rehearsal: 16 lines ran when a burst of standard work came; every cut went to the lines'
+    allowance (already zero) while the standard lane doubled each window and the pace stayed 2-8x over its
+    target for 25 s. Lines too few to take off what the cut asks leave the rest to the standard lane."""
+    governor = PaceGovernor(ceiling=896, slack=1.3, floor=16, cooldown_s=2.0)
+    now = _learn(governor, 0.006, running=0)
+    governor.batch_allowed = 16
+    now = _window(governor, now, 0.020)
+    governor.tick(now, 44, backlog=True, batch=16)
+    assert governor.batch_limit == 8 and governor.allowed == 22
+    # Lines enough to take off what the cut asks: they alone are cut (the test above).
+    now = _window(governor, now + 2.0, 0.008)
+    governor.tick(now, 10, backlog=True, batch=8)
+    assert governor.allowed == 22 and governor.batch_limit < 8
+
+
 def test_too_few_outputs_say_nothing() -> None:
     governor = PaceGovernor(ceiling=100, slack=1.3, floor=4)
     _learn(governor, 0.010, running=20)

@@ -96,3 +96,30 @@ async def test_a_sustained_backlog_is_bounded_by_its_drain_rate(redis) -> None:
     assert step == 5
     assert "(40 requests waiting)" in refused.message
     assert refused.headers["Retry-After"] == "14"
+
+
+async def test_a_burst_after_a_backlog_is_bounded_at_once_by_the_rate_that_backlog_measured(redis) -> None:
+    """The third GPU rehearsal: bursts every few seconds, the lane empty between them; each burst had
+    forgotten the last one's rate and queued up to the static bound, and admitted requests waited 1.5-7.7 s
+    against a 1.5 s limit. A lane that once drained at 3 jobs/s under a backlog is bounded at once."""
+    clock = Clock()
+    queue = _queue(redis, clock, max_wait_s=2.0)
+    drained = contract.drained_key(POOL, Lane.STANDARD)
+    lane = [contract.account_queue(POOL, Lane.STANDARD, 1), contract.lane_ring(POOL, Lane.STANDARD),
+            contract.queued_key(POOL, Lane.STANDARD)]
+    for i in range(4):
+        await _admit(queue, i)
+    for step in range(1, 7):  # a backlog of 4 for 6 s: workers take 3 jobs a second, 3 more arrive
+        clock.now += 1
+        await redis.incrby(drained, 3)
+        await redis.decrby(contract.queued_key(POOL, Lane.STANDARD), 3)
+        for i in range(3):
+            await _admit(queue, 100 * step + i)
+    await redis.delete(*lane)  # the backlog is over: the lane empty at the next admission, then a burst
+    admitted = 0
+    with pytest.raises(APIError) as refused:
+        for i in range(1000, 1040):  # a burst of forty
+            await _admit(queue, i)
+            admitted += 1
+    assert refused.value.code == "queue_full"
+    assert admitted == 6  # 3 jobs/s x 2 s of waiting: a depth of 6
