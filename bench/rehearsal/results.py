@@ -74,9 +74,10 @@ def _another_run(number: int, run: dict[str, Any], out: Path, name: str) -> tupl
             + report.markdown_table(["goal", "measured", "bound", "verdict"], _verdict_rows(goals)) + "\n\n"
             + _table([_row(key.split(":", 1)[1], g) for key, g in full["groups"].items() if key.startswith("plan:")],
                      "plan") + "\n\n" + _table(_lanes("Flatfare", full["groups"])))
-    _plots(out, f"{name}_run{number}", run, None)
-    text += f"\n\n![governor]({name}_run{number}_governor.png)"
-    return f"Run {number}: {meta['args'].get('phases')} at a heavier load", text
+    _plots(out, f"{name}_earlier{number}", run, None)
+    text += f"\n\n![governor]({name}_earlier{number}_governor.png)"
+    return (f"Earlier run {number}: {meta['card'].split(',')[0]}, {meta['machine'].get('date', '')}, "
+            f"commit {meta['machine'].get('flatfare commit', '?')}"), text
 
 
 def _resources(samples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -189,7 +190,7 @@ def write(paths: list[Path], out: Path, name: str = "", notes: Path | None = Non
     _plots(out, name, ours, vllm)
     sections.append(("Plots", "\n".join(f"![{p}]({name}_{p}.png)" for p in ("goodput", "premium", "governor",
                                                                               "resources"))))
-    for number, run in enumerate(runs[1:], start=2):
+    for number, run in enumerate(runs[1:], start=1):  # older runs, given after this one's files: theirs alone
         sections.append(_another_run(number, run, out, name))
     settings = {k: v for k, v in meta["args"].items() if k not in ("out", "workdir", "paths")}
     info = {**meta["machine"], "card": meta["card"]}
