@@ -163,13 +163,18 @@ class Stack:
                               text=True, timeout=120, check=False)
 
     def sql(self, query: str, **params: object) -> list[tuple]:
-        engine = create_engine(sync_url(self.database_url))
-        try:
-            with engine.begin() as conn:
-                result = conn.execute(text(query), params)
-                return [tuple(row) for row in result] if result.returns_rows else []
-        finally:
-            engine.dispose()
+        return run_sql(self.database_url, query, **params)
+
+
+def run_sql(database_url: str, query: str, **params: object) -> list[tuple]:
+    """``query`` in a transaction of its own on ``database_url``; the rows it returns."""
+    engine = create_engine(sync_url(database_url))
+    try:
+        with engine.begin() as conn:
+            result = conn.execute(text(query), params)
+            return [tuple(row) for row in result] if result.returns_rows else []
+    finally:
+        engine.dispose()
 
 
 def _warm_worker(stack: Stack) -> bool:
@@ -242,14 +247,8 @@ def launch_stack(data: Path, *, model: str = "smollm2-135m-instruct", worker_arg
         **(env or {}),
     }
     migrate(database_url)
-    if before_start:
-        engine = create_engine(sync_url(database_url))
-        try:
-            with engine.begin() as conn:
-                for statement in before_start:
-                    conn.execute(text(statement))
-        finally:
-            engine.dispose()
+    for statement in before_start:
+        run_sql(database_url, statement)
     port = port or free_port()
     flatfare = [sys.executable, "-m", "flatfare"]
     worker = subprocess.Popen([*flatfare, "worker", "--model", model, *worker_args], env=full_env, cwd=data,

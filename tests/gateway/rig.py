@@ -111,18 +111,27 @@ async def _heartbeat(redis: aioredis.Redis, info: WorkerInfo) -> None:
         await asyncio.sleep(1)
 
 
-@asynccontextmanager
-async def in_process_gateway(redis_url: str, tmp_path: Path, **settings: Any) -> AsyncIterator[Gateway]:
-    """The gateway, an account ``acme`` on Pro with one key, and the two built-in models' heartbeats."""
+async def seeded_database(tmp_path: Path, accounts: dict[str, str]) -> tuple[str, dict[str, tuple[int, str]]]:
+    """A migrated SQLite file in ``tmp_path`` with each account (name -> plan) and one key of it: the file's
+    URL, and each account's id and key."""
     database_url = f"sqlite:///{tmp_path / 'gateway.db'}"
     migrate(database_url)
     engine = create_engine(database_url)
+    seeded: dict[str, tuple[int, str]] = {}
     async with session_factory(engine)() as session:
-        account = await ensure_account(session, "acme", "pro")
-        issued = await issue_key(session, account)
+        for name, plan in accounts.items():
+            account = await ensure_account(session, name, plan)
+            seeded[name] = (account.id, (await issue_key(session, account)).secret)
         await session.commit()
-        account_id = account.id
     await engine.dispose()
+    return database_url, seeded
+
+
+@asynccontextmanager
+async def in_process_gateway(redis_url: str, tmp_path: Path, **settings: Any) -> AsyncIterator[Gateway]:
+    """The gateway, an account ``acme`` on Pro with one key, and the two built-in models' heartbeats."""
+    database_url, seeded = await seeded_database(tmp_path, {"acme": "pro"})
+    account_id, secret = seeded["acme"]
     redis = connect(redis_url)
     beats = [asyncio.create_task(_heartbeat(redis, WorkerInfo(
         worker_id=f"w-{model}", model=model, max_model_len=EMBEDDER_CONTEXT if model == EMBEDDER else CHAT_CONTEXT,
@@ -134,7 +143,7 @@ async def in_process_gateway(redis_url: str, tmp_path: Path, **settings: Any) ->
     try:
         async with lifespan(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                                     base_url="http://gateway") as client:
-            yield Gateway(client, issued.secret, account_id, database_url, redis, app.state.services, app)
+            yield Gateway(client, secret, account_id, database_url, redis, app.state.services, app)
     finally:
         for beat in beats:
             beat.cancel()

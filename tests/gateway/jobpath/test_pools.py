@@ -32,13 +32,12 @@ from flatfare.gateway.app import create_app
 from flatfare.gateway.jobpath.prefix_routing import prefix_hash
 from flatfare.gateway.settings import GatewaySettings
 from flatfare.redis_conn import connect
-from flatfare.storage.accounts import issue_key
-from flatfare.billing.plan_change import ensure_account
-from flatfare.storage.db import create_engine, migrate, session_factory
+from flatfare.storage.db import create_engine, session_factory
 from flatfare.storage.models import CatalogModel, RequestRecord
 from flatfare.workers.instant import InstantEngine
 from flatfare.workers.loop import WorkerLoop
 from flatfare.workers.presence import now_ms
+from tests.gateway.rig import seeded_database
 from tests.gateway.test_asgi import lifespan
 
 COLD = "ondemand-a"
@@ -143,16 +142,8 @@ async def until(read: Any, ready: Any, what: str, timeout_s: float = WAIT_S) -> 
 
 @asynccontextmanager
 async def open_gateway(tmp_path: Path, redis_url: str, **settings: Any) -> AsyncIterator[Gateway]:
-    database_url = f"sqlite:///{tmp_path / 'gateway.db'}"
-    migrate(database_url)
-    engine = create_engine(database_url)
-    async with session_factory(engine)() as session:
-        account = await ensure_account(session, "acme", "pro")
-        issued = await issue_key(session, account)
-        free = await issue_key(session, await ensure_account(session, "thrifty", "free"))
-        await session.commit()
-        account_id = account.id
-    await engine.dispose()
+    database_url, seeded = await seeded_database(tmp_path, {"acme": "pro", "thrifty": "free"})
+    (account_id, secret), (_, free_secret) = seeded["acme"], seeded["thrifty"]
     await add_models(database_url, {"name": COLD}, {"name": BASE},
                      {"name": VARIANT, "source": "/adapters/lora", "base_model": BASE})
     app = create_app(GatewaySettings(redis_url=redis_url, database_url=database_url, data_dir=tmp_path,
@@ -161,7 +152,7 @@ async def open_gateway(tmp_path: Path, redis_url: str, **settings: Any) -> Async
     try:
         async with lifespan(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway",
                                                     timeout=60) as client:
-            yield Gateway(client, issued.secret, free.secret, account_id, database_url, redis)
+            yield Gateway(client, secret, free_secret, account_id, database_url, redis)
     finally:
         await redis.aclose()
 
