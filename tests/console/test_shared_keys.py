@@ -7,6 +7,7 @@ The stack trusts its loopback proxy (FLATFARE_FORWARDED_ALLOW_IPS), so X-Forward
 
 from __future__ import annotations
 
+import re
 import secrets
 
 import httpx
@@ -62,7 +63,10 @@ def test_a_key_used_from_many_addresses_is_flagged_to_its_owner_and_the_operator
 
     # The owner: one email, however many gateway passes run...
     notices = eventually(lambda: _notices(stack, email), bool, "the shared-key email in the gateway's log")
-    assert "4 different client addresses" in notices[0] and "4 different user agents" in notices[0]
+    # The pass may run between the third request (the one past the threshold) and the fourth: the email
+    # counts what the key had when it was sent.
+    told = re.search(r"from (\d+) different client addresses with (\d+) different user agents", notices[0])
+    assert told and told.group(1) == told.group(2) and int(told.group(1)) in (3, 4), notices[0]
     # ...and a banner on the console's overview and Keys pages.
     page.context.add_cookies([{"name": "ff_console", "value": customer.session_cookie, "url": stack.base_url}])
     for path in ("/console", "/console/keys"):
