@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 COMMANDS = {
@@ -41,8 +42,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def exit_on_termination() -> None:
+    """SIGTERM and SIGHUP (``timeout``, a closed terminal) end the benchmark as Ctrl-C does: by an exception,
+    so its ``finally`` blocks stop what it started. Python's default for both ends the process at once, and
+    the platforms a benchmark starts (each child in a session of its own) ran on as orphans."""
+
+    def _exit(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _exit)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    exit_on_termination()
     module = importlib.import_module(COMMANDS[args.command][0])
     return int(module.run(args) or 0)
 
