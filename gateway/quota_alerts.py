@@ -16,6 +16,8 @@ A webhook is a POST of a JSON event, signed as Stripe signs its own: the header 
 t=<unix seconds>,v1=<hex HMAC-SHA256 of "<t>.<body>" under the account's secret>``. Its URL must be
 https and its host must resolve to public addresses only (the same check as image URLs,
 :mod:`flatfare.gateway.openai.media`), both when it is saved and before each try; redirects are not followed.
+Each try connects to the address that check vetted, never to a second resolution of the name (which a
+name's owner could point inside the network in between: DNS rebinding); TLS still verifies the name.
 """
 
 from __future__ import annotations
@@ -129,10 +131,11 @@ def sign(secret: str, timestamp: int, body: bytes) -> str:
 Resolver = Callable[[str], Awaitable[list[str]]]
 
 
-async def check_webhook_url(url: str, settings: GatewaySettings, resolver: Resolver = system_resolver) -> None:
+async def check_webhook_url(url: str, settings: GatewaySettings, resolver: Resolver = system_resolver) -> str | None:
     """Refuse a webhook URL Flatfare must not post to: not https (unless the operator allows http), or a
     host that is, or resolves to, a private, loopback, link-local or otherwise non-public address (unless
-    the operator exempts it)."""
+    the operator exempts it). Returns the vetted address to connect to for a name (None: the URL's host is
+    an address itself, or exempt)."""
     ref = media.MediaRef("webhook_url", "webhook", url)
     scheme = url.partition(":")[0].lower()
     if scheme != "https" and not (scheme == "http" and settings.quota_alerts_webhook_allow_http):
@@ -142,13 +145,13 @@ async def check_webhook_url(url: str, settings: GatewaySettings, resolver: Resol
     except ValueError:
         raise AlertSettingsError("The webhook URL is not a valid URL.") from None
     if host and host in settings.quota_alerts_webhook_allow_hosts:
-        return
+        return None
     try:
         name = media.host_of(ref)
     except APIError as exc:
         raise AlertSettingsError("The webhook URL is refused: " + exc.message.removeprefix("webhook_url: ")) from None
     if name is None:
-        return
+        return None
     try:
         addresses = await asyncio.wait_for(resolver(name), 2.0)
     except (TimeoutError, OSError):
@@ -162,6 +165,22 @@ async def check_webhook_url(url: str, settings: GatewaySettings, resolver: Resol
         if media.forbidden(parsed):
             raise AlertSettingsError(f"The webhook URL is refused: its host resolves to {address}, which is not "
                                      "a public address.")
+    if not addresses:
+        raise AlertSettingsError(f"The webhook URL's host '{name}' does not resolve.")
+    return addresses[0]
+
+
+def pinned(url: str, address: str | None) -> tuple[str, dict[str, str], dict[str, str]]:
+    """The URL, extra headers and request extensions that reach ``url`` at ``address``: the address in the
+    URL, the name in the Host header and in TLS (SNI and the certificate check). ``url`` as is without one."""
+    if address is None:
+        return url, {}, {}
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    shown = f"[{address}]" if ":" in address else address
+    netloc = f"{shown}:{parts.port}" if parts.port else shown
+    return (parts._replace(netloc=netloc).geturl(), {"Host": parts.netloc},
+            {"sni_hostname": host} if parts.scheme.lower() == "https" else {})
 
 
 async def save_rules(session: AsyncSession, account_id: int, rules: AlertRules, *,
@@ -315,17 +334,19 @@ class QuotaAlerts:
         if not rules.webhook_url or not rules.webhook_secret:
             raise NothingToDeliver("the webhook was removed")
         try:  # again before each try: the name may resolve elsewhere by now
-            await check_webhook_url(rules.webhook_url, self._settings, self._resolver)
+            address = await check_webhook_url(rules.webhook_url, self._settings, self._resolver)
         except AlertSettingsError as exc:
             raise DeliveryError(str(exc)) from exc
         created = int(datetime.now(UTC).timestamp())
         body = event_body(delivery, created)
+        url, host, tls = pinned(rules.webhook_url, address)
         headers = {"Content-Type": "application/json", "User-Agent": "Flatfare-Webhooks/1",
-                   SIGNATURE_HEADER: sign(rules.webhook_secret, created, body), "Flatfare-Delivery": str(delivery.id)}
+                   SIGNATURE_HEADER: sign(rules.webhook_secret, created, body), "Flatfare-Delivery": str(delivery.id),
+                   **host}
         client = self._http or httpx.AsyncClient()
         try:
-            answer = await client.post(rules.webhook_url, content=body, headers=headers, timeout=WEBHOOK_TIMEOUT_S,
-                                       follow_redirects=False)
+            answer = await client.post(url, content=body, headers=headers, timeout=WEBHOOK_TIMEOUT_S,
+                                       follow_redirects=False, extensions=tls)
         except httpx.HTTPError as exc:
             raise DeliveryError(f"could not reach the webhook: {exc.__class__.__name__}") from exc
         finally:
