@@ -123,3 +123,31 @@ async def test_a_burst_after_a_backlog_is_bounded_at_once_by_the_rate_that_backl
             admitted += 1
     assert refused.value.code == "queue_full"
     assert admitted == 6  # 3 jobs/s x 2 s of waiting: a depth of 6
+
+
+class _CountingGets:
+    """The test's Redis client, counting the GETs made through it."""
+
+    def __init__(self, redis) -> None:  # noqa: ANN001 - redis.asyncio.Redis
+        self._redis = redis
+        self.gets = 0
+
+    async def get(self, key: str) -> bytes | None:
+        self.gets += 1
+        return await self._redis.get(key)
+
+
+async def test_an_idle_lane_reads_its_drained_counter_once_a_sample_period_not_once_an_admission(redis) -> None:
+    """Each admission that finds its lane empty forgets the samples; reading the counter again for the next
+    one put a Redis round trip on every request of an idle platform."""
+    clock = Clock()
+    queue = _queue(redis, clock)
+    counting = _CountingGets(redis)
+    queue.drain = DrainRate(counting, window_s=10.0, sample_every_s=0.5, clock=clock)  # type: ignore[arg-type]
+    taken = [contract.account_queue(POOL, Lane.STANDARD, 1), contract.lane_ring(POOL, Lane.STANDARD),
+             contract.queued_key(POOL, Lane.STANDARD)]
+    for i in range(40):  # 40 requests in 2 s, each taken at once: the lane is empty at every admission
+        await _admit(queue, i)
+        await redis.delete(*taken)
+        clock.now += 0.05
+    assert counting.gets == 4  # at 0, 0.5, 1.0 and 1.5 s (each admission read it before)
