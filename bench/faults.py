@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -411,7 +411,7 @@ class Clients:
                         self._error(await response.aread(), response.status_code)
                         return None
                     if stream:
-                        answered = await self._read_stream(response, port)
+                        answered = await self._read_stream(response.aiter_lines(), port)
                     else:
                         payload = orjson.loads(await response.aread())
                         answered = self._answered_or_lost("choices" in payload, port, "200 without choices")
@@ -420,9 +420,10 @@ class Clients:
             self._answered_or_lost(False, port, f"{exc.__class__.__name__}: {exc}")
             return None
 
-    async def _read_stream(self, response: httpx.Response, port: int) -> bool:
+    async def _read_stream(self, lines: AsyncIterator[str], port: int) -> bool:
+        """Classify a stream by its lines, without their line ends (whichever HTTP client read them)."""
         code, done = None, False
-        async for line in response.aiter_lines():
+        async for line in lines:
             if line == "data: [DONE]":
                 done = True
             elif line.startswith("data: {\"error\""):

@@ -2,17 +2,20 @@
 
 ``python -m bench soak`` starts the fault benchmark's platform (bench/faults.py ``Rig``: two gateway
 processes, two workers, Redis, SQLite or a private PostgreSQL, Stripe's edge), measures its capacity
-with a closed loop, then sends ``--load`` of it as an open loop for ``--minutes``: half of the requests
-streamed, 3 % hung up after the first chunk, 3 % retried with the same Idempotency-Key
-(bench/soak/load.py). Every ``--batch-every-s`` a Batch API file goes in, every ``--rotate-every-s`` the
-account's key is rotated through the admin API, and every ``--chaos-every-s`` the first gateway and the
-first worker are restarted as a rolling deploy does (drained with SIGTERM, started again).
+(answering and billing each request, through one chaos restart: ``_capacity``), then sends ``--load``
+of it as an open loop for ``--minutes``: half of the requests streamed, 3 % hung up after the first
+chunk, 3 % retried with the same Idempotency-Key (bench/soak/load.py). Every ``--batch-every-s`` a Batch
+API file goes in, every ``--rotate-every-s`` the account's key is rotated through the admin API, and
+every ``--chaos-every-s`` the first gateway and the first worker are restarted as a rolling deploy does
+(drained with SIGTERM, started again).
 
-Every ``--sample-s`` it reads each process's RSS, open file descriptors, threads and asyncio tasks, Redis'
-memory and keys, and the database's connections; bench/soak/windows.py turns them into per-window means
-beside the latency p50/p99 and says whether each stayed flat after the warm-up. At the end the platform
-settles and the money is audited (bench/audit.py): 0 lost, nothing charged twice, counted = ledger =
-outbox = Stripe. Writes bench/results/soak.md, soak.csv and soak.png; tests/bench/test_soak.py runs
+Every ``--sample-s`` it reads each process's RSS, CPU, open file descriptors, threads and asyncio tasks
+(and the load generator's own CPU), Redis' memory and keys, the database's connections and the billing
+outbox's backlog;
+bench/soak/windows.py turns them into per-window means beside the latency p50/p99 and says whether each
+stayed flat after the warm-up. At the end the platform settles and the money is audited
+(bench/audit.py): 0 lost, nothing charged twice, counted = ledger = outbox = Stripe. Writes
+bench/results/soak.md, soak.csv and soak.png; tests/bench/test_soak.py runs
 half a minute of it.
 """
 
@@ -22,6 +25,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -31,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import report
-from bench.faults import RESULTS, Clients, Rig, Shape
+from bench.faults import RESULTS, Rig, Shape
 from bench.procs import Services
 from bench.soak import load
 from bench.soak.windows import Verdict, Window, verdicts, windows
@@ -46,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-windows", type=int, default=2,
                         help="windows left out of the verdicts (at least the replies' and cancels' TTL, 600 s)")
     parser.add_argument("--load", type=float, default=0.7, help="the share of the measured capacity sent")
-    parser.add_argument("--capacity-s", type=float, default=20.0, help="how long the closed loop measures")
+    parser.add_argument("--capacity-s", type=float, default=30.0,
+                        help="how long the closed loop measures (through one chaos restart, if there are any)")
     parser.add_argument("--chaos-every-s", type=float, default=240.0, help="restart a gateway and a worker (0: never)")
     parser.add_argument("--batch-every-s", type=float, default=120.0, help="a Batch API file (0: never)")
     parser.add_argument("--batch-lines", type=int, default=20)
@@ -55,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=["instant", "vllm"], default="instant")
     parser.add_argument("--postgres", action="store_true", help="a private PostgreSQL instead of SQLite")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/flatfare-soak"))
+    parser.add_argument("--idempotency-window-s", type=int, default=600,
+                        help="the gateways' FLATFARE_IDEMPOTENCY_WINDOW_S (24 h in production): shorter than the "
+                        "soak, so the answers kept for retries reach their steady state within it")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", default="soak")
 
@@ -62,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     report.mark_start()
     shutil.rmtree(args.workdir, ignore_errors=True)
+    os.environ["FLATFARE_IDEMPOTENCY_WINDOW_S"] = str(args.idempotency_window_s)  # the rig's processes inherit it
     services = Services()
     rig = Rig(args.workdir, services, engine=args.engine, workers=2, gateways=2, postgres=args.postgres,
               shape=Shape(tokens=8, token_delay_s=0.02), request_timeout_s=30.0)
@@ -83,21 +92,61 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-async def _capacity(rig: Rig, seconds: float) -> float:
-    """Answered requests a second with 32 clients in a closed loop (the platform's capacity here)."""
-    clients = Clients(rig, stream_share=0.5)
-    started = time.monotonic()
+async def _capacity(rig: Rig, seconds: float, restart: bool) -> dict[str, Any]:
+    """What the platform sustains, measured on the soak's clients. Each request is answered and then billed
+    (a meter event the outbox sends), and on one machine the two share the cores, so the capacity is the
+    rate doing both: 1 / (1/answers + 1/events), from the answers a second of a closed loop of 32, through
+    one chaos restart (gateway0 and worker0, begun a third of the way in) when the soak restarts, and the
+    meter events a second the outbox then delivers from the backlog the loop left (a third of ``seconds``,
+    nothing else sent). A load that is a share of the answers alone, measured without restarts, left too
+    little to catch up after each (every soak on two cores collapsed), and one past what the outbox keeps
+    up with leaves a backlog that grows for the whole soak. The loop runs ``seconds`` and at least until
+    the restart is over."""
+    clients = load.SoakClients(rig, load.Mix(disconnect=0.0, retry=0.0), time.monotonic())
+    started = clients.started
+    restarted = asyncio.Event()
+    if not restart:
+        restarted.set()
+    closed = asyncio.create_task(clients.closed_loop(
+        32, lambda: restarted.is_set() and time.monotonic() - started > seconds))
+    quiet = None
     try:
-        await clients.closed_loop(32, lambda: time.monotonic() - started > seconds)
+        if restart:
+            await asyncio.sleep(seconds / 3)
+            quiet = clients.tally.answered / (time.monotonic() - started)
+            await _chaos(rig, clients, started)
+            restarted.set()
+        await closed
     finally:
+        restarted.set()
         await clients.close()
-    return clients.tally.answered / (time.monotonic() - started)
+    elapsed = time.monotonic() - started
+    tally = clients.tally
+    answers = tally.answered / elapsed
+    drain_began, sent_before = time.monotonic(), await asyncio.to_thread(_meter_events, rig, "sent")
+    await asyncio.sleep(seconds / 3)
+    outbox = (await asyncio.to_thread(_meter_events, rig, "sent") - sent_before) / (time.monotonic() - drain_began)
+    both = 1 / (1 / answers + 1 / outbox) if answers and outbox else 0.0
+    return {"rps": both, "answers_rps": answers, "quiet_rps": quiet, "outbox_rps": outbox,
+            "backlog_left": await asyncio.to_thread(_meter_events, rig, "pending"), "window_s": round(elapsed, 1),
+            "restarts": clients.events.restarts, "chaos_errors": clients.events.chaos_errors,
+            "answered": tally.answered, "failed": dict(tally.failed), "cut": tally.cut, "lost": tally.lost,
+            "lost_examples": tally.lost_examples}
+
+
+def _meter_events(rig: Rig, status: str) -> int:
+    return int(rig.sql("SELECT count(*) FROM usage_outbox WHERE status = :status", status=status)[0][0])
 
 
 async def _soak(rig: Rig, args: argparse.Namespace, admin_token: str) -> dict[str, Any]:
-    capacity = await _capacity(rig, args.capacity_s)
+    measured = await _capacity(rig, args.capacity_s, restart=args.chaos_every_s > 0)
+    capacity = measured["rps"]
     rate = args.load * capacity
-    print(f"[soak] capacity {capacity:.1f} req/s; sending {rate:.1f} req/s for {args.minutes:g} min", flush=True)
+    quiet = f", {measured['quiet_rps']:.1f} before the restart" if measured["quiet_rps"] else ""
+    print(f"[soak] capacity {capacity:.1f} req/s: answers {measured['answers_rps']:.1f}/s over "
+          f"{measured['window_s']:g} s{quiet}, meter events {measured['outbox_rps']:.1f}/s (then "
+          f"{measured['backlog_left']} pending); sending {rate:.1f} req/s "
+          f"for {args.minutes:g} min", flush=True)
     started = time.monotonic()
     end_s = args.minutes * 60
     clients = load.SoakClients(rig, load.Mix(), started)
@@ -129,7 +178,7 @@ async def _soak(rig: Rig, args: argparse.Namespace, admin_token: str) -> dict[st
     tally = clients.tally
     print(f"[soak] sent {tally.sent}: answered {tally.answered}, failed {sum(tally.failed.values())}, cut "
           f"{tally.cut}, lost {tally.lost}", flush=True)
-    return {"capacity_rps": capacity, "rate_rps": rate, "end_s": end_s,
+    return {"capacity_rps": capacity, "capacity": measured, "rate_rps": rate, "end_s": end_s,
             "tally": {"sent": tally.sent, "answered": tally.answered, "failed": dict(tally.failed), "cut": tally.cut,
                       "lost": tally.lost, "lost_examples": tally.lost_examples},
             "events": vars(clients.events), "batches": batches,
@@ -187,11 +236,15 @@ def write(result: dict[str, Any], args: argparse.Namespace) -> bool:
     tally, audit, events, batches = result["tally"], result["audit"], result["events"], result["batches"]
     from_s = rows[min(args.warmup_windows, len(rows) - 1)].start_s
     leaks = unexpiring_growth(result["samples"], from_s)
-    ok = (tally["lost"] == 0 and not events["dropped"] and audit["clean"] and events["replay_mismatch"] == 0
-          and not leaks and batches["submitted"] == len(batches["ended"]) and all(v.ok is not False for v in judged))
+    capacity = result.get("capacity", {})
+    ok = (tally["lost"] == 0 and not capacity.get("lost") and not events["dropped"] and audit["clean"]
+          and events["replay_mismatch"] == 0 and not leaks and batches["submitted"] == len(batches["ended"])
+          and all(v.ok is not False for v in judged))
     names = [name for name in rows[0].means]
+    cpus = [name for name in rows[0].cpu_pct]
     window_rows = [[w.index, f"{w.start_s / 60:g}-{w.end_s / 60:g}", w.requests, w.answered, w.dropped, _n(w.p50_ms),
-                    _n(w.p99_ms), *(_n(w.means[n]) for n in names)] for w in rows]
+                    _n(w.p99_ms), *(_n(w.cpu_pct[n]) for n in cpus), *(_n(w.means[n]) for n in names)]
+                   for w in rows]
     failed = ", ".join(f"{code} x{n}" for code, n in sorted(tally["failed"].items())) or "none"
     sections = [
         ("Verdicts", report.markdown_table(
@@ -199,7 +252,7 @@ def write(result: dict[str, Any], args: argparse.Namespace) -> bool:
             [[v.what, _n(v.first), _n(v.last), v.change, v.bound, _verdict(v)] for v in judged])),
         ("Per window", report.markdown_table(["window", "minutes", "requests", "answered",
                                               f"dropped ({load.MAX_IN_FLIGHT} in flight)", "p50 ms", "p99 ms",
-                                              *names], window_rows)),
+                                              *(f"{n} CPU %" for n in cpus), *names], window_rows)),
         ("Requests and money", report.markdown_table(
             ["sent", "dropped at the client", "answered", "failed cleanly", "cut (restarted gateway)", "lost",
              "hung up", "retried (replays that named another request)", "key rotations", "restarts",
@@ -224,8 +277,15 @@ def write(result: dict[str, Any], args: argparse.Namespace) -> bool:
             ["at s", "gateway", "pid then", "why"], lost_rows) + f"\n\nRestarts: {restarts or 'none'}."))
     _plot(args.out / f"{args.name}.png", rows, result)
     sections.append(("Plot", f"![resources and latency per window]({args.name}.png)"))
-    intro = (f"{args.minutes:g} minutes at {args.load:.0%} of the capacity measured first "
-             f"({result['capacity_rps']:.1f} req/s, so {result['rate_rps']:.1f} req/s), {args.engine} engine, "
+    through = (f" through a restart of gateway0 and worker0 ({capacity['quiet_rps']:.1f} before it; "
+               f"{capacity['lost']} lost, {capacity['cut']} cut)" if capacity.get("quiet_rps") else "")
+    measured = (f", answering and billing: 1 / (1/{capacity['answers_rps']:.1f} + 1/{capacity['outbox_rps']:.1f}) from "
+                f"the answers a second over {capacity['window_s']:g} s{through} and the meter events a second the "
+                f"billing outbox delivered from the backlog the loop left ({capacity['backlog_left']} rows still "
+                "pending after)" if capacity else "")
+    intro = (f"{args.minutes:g} minutes at {args.load:.0%} of the capacity measured first with a closed loop of 32 "
+             f"({result['capacity_rps']:.1f} req/s{measured}; so {result['rate_rps']:.1f} req/s), "
+             f"{args.engine} engine, "
              f"{'PostgreSQL' if args.postgres else 'SQLite'}; a gateway and a worker restarted every "
              f"{args.chaos_every_s:g} s, a batch every {args.batch_every_s:g} s, the key rotated every "
              f"{args.rotate_every_s:g} s. Growth is judged on the gateway and worker that ran throughout "
@@ -235,9 +295,9 @@ def write(result: dict[str, Any], args: argparse.Namespace) -> bool:
     report.write_markdown(args.out / f"{args.name}.md", "Soak: does anything grow?", intro, report.machine(),
                           settings, sections)
     report.write_csv(args.out / f"{args.name}.csv", ["window", "start_s", "requests", "answered", "dropped", "p50_ms",
-                                                      "p99_ms", *names],
+                                                      "p99_ms", *(f"{n} CPU %" for n in cpus), *names],
                      [[w.index, w.start_s, w.requests, w.answered, w.dropped, w.p50_ms, w.p99_ms,
-                       *(w.means[n] for n in names)]
+                       *(w.cpu_pct[n] for n in cpus), *(w.means[n] for n in names)]
                       for w in rows])
     print((args.out / f"{args.name}.md").read_text().split("## Machine")[0], flush=True)
     return ok

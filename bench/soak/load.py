@@ -1,22 +1,29 @@
 """What the soak does to the platform: the request mix, batches, key rotations, restarts, and the samples.
 
-The clients are the fault benchmark's (bench/faults.py ``Clients``: every answer classified as answered,
+The clients classify every answer as the fault benchmark's do (bench/faults.py ``Clients``: answered,
 failed cleanly, cut by a gateway that went away, or lost), with the soak's mix on top: streaming and not,
-clients that hang up after the first chunk, requests retried with the same ``Idempotency-Key``.
+clients that hang up after the first chunk, requests retried with the same ``Idempotency-Key``. They send
+with aiohttp, as the overhead bench's load generator does (bench/loadgen.py): about a tenth of httpx's CPU a
+request. The load generator shares the machine's cores with the platform, and a restart's backlog used to
+cost it enough more CPU (httpx) that the platform never caught up.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import random
 import re
 import time
+import urllib.request
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import httpx
 import orjson
 import psutil
@@ -69,7 +76,11 @@ class Events:
 
 
 class SoakClients(Clients):
-    """The fault benchmark's clients, with the soak's mix and every request's latency kept."""
+    """The fault benchmark's clients, with the soak's mix and every request's latency kept.
+
+    The requests of the load go through one aiohttp session (made inside the running event loop); the
+    chores (batches, rotations) keep the inherited httpx client: a few requests a minute.
+    """
 
     def __init__(self, rig: Rig, mix: Mix, started: float) -> None:
         super().__init__(rig, stream_share=mix.stream, timeout_s=60.0)
@@ -78,6 +89,40 @@ class SoakClients(Clients):
         self.done: list[Done] = []
         self.events = Events()
         self._pick = random.Random(7)
+        # No limit on connections (MAX_IN_FLIGHT bounds them); an idle one is closed after 15 s, well before
+        # the gateway's 65 s (FLATFARE_KEEP_ALIVE_S), so the client always closes first.
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=15.0),
+                                              timeout=aiohttp.ClientTimeout(total=self._timeout_s))
+
+    async def close(self) -> None:
+        await self._session.close()
+        await super().close()
+
+    def _request(self, port: int, body: dict[str, Any], **headers: str) -> Any:
+        return self._session.post(f"http://127.0.0.1:{port}/v1/chat/completions", data=orjson.dumps(body),
+                                  headers={"Authorization": f"Bearer {self.rig.key}",
+                                           "Content-Type": "application/json", **headers})
+
+    async def one(self) -> str | None:
+        """As ``Clients.one`` (the same classification, its stream read by ``Clients._read_stream``), on aiohttp."""
+        port = self._port()
+        stream = self._random.random() < self._stream_share
+        body = {"model": self.rig.model, "messages": [{"role": "user", "content": "hi"}], "stream": stream,
+                "max_tokens": 8}
+        try:
+            async with asyncio.timeout(self._timeout_s), self._request(port, body) as response:
+                if response.status != 200:
+                    self._error(await response.read(), response.status)
+                    return None
+                if stream:
+                    answered = await self._read_stream(_lines(response.content), port)
+                else:
+                    payload = orjson.loads(await response.read())
+                    answered = self._answered_or_lost("choices" in payload, port, "200 without choices")
+                return response.headers.get("x-request-id", "") if answered else None
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self._answered_or_lost(False, port, f"{exc.__class__.__name__}: {exc}")
+            return None
 
     def _answered_or_lost(self, ok: bool, port: int, why: str) -> bool:
         """As the fault clients classify, and each lost request kept with where and when it was lost (a
@@ -108,12 +153,11 @@ class SoakClients(Clients):
         """A streaming request whose client goes away after the first chunk (its row closes cancelled)."""
         body = {"model": self.rig.model, "messages": [{"role": "user", "content": "hi"}], "stream": True,
                 "max_tokens": 8}
-        with contextlib.suppress(httpx.HTTPError, TimeoutError):
-            async with asyncio.timeout(30), self._client.stream(
-                    "POST", f"http://127.0.0.1:{self._port()}/v1/chat/completions", json=body,
-                    headers={"Authorization": f"Bearer {self.rig.key}"}) as response:
-                async for _line in response.aiter_lines():
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with asyncio.timeout(30), self._request(self._port(), body) as response:
+                async for _line in response.content:
                     break
+                response.close()  # the connection, not back to the pool: the gateway sees the client go
         self.events.disconnected += 1
 
     async def _retried(self) -> bool:
@@ -124,25 +168,24 @@ class SoakClients(Clients):
         for _ in range(2):
             port = self._port()
             try:
-                response = await self._client.post(
-                    f"http://127.0.0.1:{port}/v1/chat/completions", json=body,
-                    headers={"Authorization": f"Bearer {self.rig.key}", "Idempotency-Key": key})
-            except httpx.HTTPError as exc:
+                async with self._request(port, body, **{"Idempotency-Key": key}) as response:
+                    status, content = response.status, await response.read()
+                    ids.append(response.headers.get("x-request-id"))
+            except (aiohttp.ClientError, TimeoutError) as exc:  # httpx counted its timeouts as HTTP errors too
                 self._answered_or_lost(False, port, f"{exc.__class__.__name__}: {exc}")
                 return False
-            if response.status_code != 200:
-                self._error(response.content, response.status_code)
+            if status != 200:
+                self._error(content, status)
                 return False
-            ids.append(response.headers.get("x-request-id"))
         self.events.retried += 1
         self.events.replay_mismatch += ids[0] != ids[1]
-        return self._answered_or_lost("choices" in orjson.loads(response.content), port, "200 without choices")
+        return self._answered_or_lost("choices" in orjson.loads(content), port, "200 without choices")
 
     async def open_loop_until(self, rate: float, until_s: float) -> None:
         """``rate`` requests a second until ``until_s`` seconds into the soak, whatever the answers take, but
         never more than ``MAX_IN_FLIGHT`` unanswered: an arrival past that is dropped and counted (the
         platform fell behind), rather than queued in the client, where a growing backlog would make the
-        load generator itself the bottleneck (httpx's pool scans its waiting requests on every change)."""
+        load generator itself the bottleneck."""
         tasks: set[asyncio.Task[None]] = set()
         sent = 0
         while (now := time.monotonic() - self.started) < until_s:
@@ -158,6 +201,12 @@ class SoakClients(Clients):
             await asyncio.sleep(0.01)
         if tasks:
             await asyncio.gather(*tasks)
+
+
+async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[str]:
+    """A response body's lines without their line ends, as httpx's ``aiter_lines`` gives them."""
+    async for raw in content:
+        yield raw.decode(errors="replace").rstrip("\r\n")
 
 
 # -- batches, rotations, restarts -------------------------------------------------------------------
@@ -222,9 +271,10 @@ def _tree(pid: int) -> list[psutil.Process]:
 
 def _tasks(url: str) -> int | None:
     """The event loop's tasks, from a process's /metrics (flatfare_event_loop_tasks)."""
-    try:
-        text = httpx.get(url, timeout=3).text
-    except httpx.HTTPError:
+    try:  # urllib, not httpx.get: that builds a client and its SSL context on each call
+        with urllib.request.urlopen(url, timeout=3) as response:
+            text = response.read().decode()
+    except (OSError, http.client.HTTPException):  # URLError and timeouts are OSErrors
         return None
     for line in text.splitlines():
         if line.startswith(TASKS_METRIC + "{"):
@@ -262,7 +312,9 @@ def key_kinds(client: redis_py.Redis) -> dict[str, list[int]]:
 
 def sample(rig: Rig, at_s: float, database_file: str) -> dict[str, Any]:
     """One look at every process (with its children) and at Redis and the database."""
-    row: dict[str, Any] = {"at_s": round(at_s, 1)}
+    # The load generator's CPU (this process: the clients and this sampler) beside the platform's: on a
+    # machine they share, a load generator that needs more per request under a backlog shows here.
+    row: dict[str, Any] = {"at_s": round(at_s, 1), "loadgen_cpu_s": round(time.process_time(), 2)}
     services = {f"gateway{i}": s for i, s in enumerate(rig.gateway_procs)}
     services |= {f"worker{i}": s for i, s in enumerate(rig.worker_procs)}
     assert rig.redis is not None
@@ -279,15 +331,19 @@ def sample(rig: Rig, at_s: float, database_file: str) -> dict[str, Any]:
         service = services.get(role)
         procs = _tree(service.pid) if service is not None and service.alive() else []
         rss = fds = threads = 0
+        cpu = 0.0
         for proc in procs:
             with contextlib.suppress(psutil.Error):
                 rss += proc.memory_info().rss
+                cpu += sum(proc.cpu_times()[:2])
                 fds += proc.num_fds()
                 threads += proc.num_threads()
                 if database_file:
                     db_files += sum(1 for f in proc.open_files() if f.path.startswith(database_file))
         row[role] = {"pid": service.pid if procs else None, "rss_mib": round(rss / 2**20, 1), "fds": fds,
-                     "threads": threads, "tasks": _tasks(urls[role]) if role in urls else None}
+                     "threads": threads, "cpu_s": round(cpu, 2), "tasks": _tasks(urls[role]) if role in urls else None}
+    # Meter events waiting for the billing outbox: a load past its rate shows as a backlog that grows.
+    row["outbox_pending"] = int(rig.sql("SELECT count(*) FROM usage_outbox WHERE status = 'pending'")[0][0])
     if rig.pg is not None:
         row["db_connections"] = int(rig.sql("SELECT count(*) - 1 FROM pg_stat_activity "
                                             "WHERE datname = current_database()")[0][0])

@@ -9,7 +9,7 @@ more than ``DRIFT`` above the first's. The growth is measured on the processes t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +26,16 @@ RESOURCES: tuple[tuple[str, Any, float], ...] = (
     ("Redis memory MiB", lambda s: s["redis_mib"], 0.0),
     ("Redis keys", lambda s: s["redis_keys"], 2.0),
     ("database connections", lambda s: s["db_connections"], 1.0),
+    # Pending rows swing by a pass of the sender (100) and a restarted leader's lease (5 s here): ~10 s of it.
+    ("billing outbox backlog", lambda s: s.get("outbox_pending"), 1000.0),
+)
+
+
+# Whose CPU each window shows, as a share of one core (not judged: it tells a load generator that cannot
+# keep up from a platform that cannot).
+CPU: tuple[tuple[str, Any], ...] = (
+    ("load generator", lambda s: s.get("loadgen_cpu_s")),
+    *((role, lambda s, r=role: s[r].get("cpu_s")) for role in SURVIVORS),
 )
 
 
@@ -47,6 +57,7 @@ class Window:
     p50_ms: float | None
     p99_ms: float | None
     means: dict[str, float | None]
+    cpu_pct: dict[str, float | None] = field(default_factory=dict)
 
 
 def windows(done: list[Done], samples: list[dict[str, Any]], window_s: float, end_s: float,
@@ -63,8 +74,16 @@ def windows(done: list[Done], samples: list[dict[str, Any]], window_s: float, en
             means[name] = sum(values) / len(values) if values else None
         out.append(Window(i + 1, lo, hi, sum(1 for d in done if lo <= d.at_s < hi), len(took),
                           sum(1 for at in dropped if lo <= at < hi), pct(took, 0.5),
-                          pct(took, 0.99), means))
+                          pct(took, 0.99), means, {name: cpu_pct(inside, read) for name, read in CPU}))
     return out
+
+
+def cpu_pct(inside: list[dict[str, Any]], read: Any) -> float | None:
+    """CPU seconds a second, in %, from the first to the last sample of a window that has both readings."""
+    points = [(s["at_s"], v) for s in inside if (v := read(s)) is not None]
+    if len(points) < 2 or points[-1][0] <= points[0][0] or points[-1][1] < points[0][1]:
+        return None  # too few readings, or a restarted process's counter
+    return round(100 * (points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0]), 1)
 
 
 @dataclass
