@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from bench.stripe_edge import StripeEdge
 from flatfare.billing.ledger import Charge, Ledger, Outcome
+from flatfare.billing import outbox
 from flatfare.billing.outbox import LEADER_KEY, OutboxSender, reconcile
 from flatfare.billing.stripe_client import StripeConfig, StripeGateway
 from flatfare.storage.models import Meter, RequestStatus, UsageOutbox
@@ -115,6 +116,42 @@ async def test_a_refused_call_backs_off_and_is_tried_again(sessions, ledger, edg
     row = (await _rows(sessions))["r1"]
     assert (row.status, row.attempts, edge.deliveries["r1"]) == ("sent", 3, 3)
     assert [e["identifier"] for e in edge.meter_events] == ["r1"]
+
+
+class _Overlap(StripeGateway):
+    """The gateway, counting the meter-event calls in flight at once."""
+
+    in_flight = most = 0
+
+    async def send_meter_event(self, **event) -> None:  # noqa: ANN003 - StripeGateway's keywords
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        try:
+            await super().send_meter_event(**event)
+        finally:
+            self.in_flight -= 1
+
+
+async def test_calls_overlap_and_each_group_is_marked_at_once(sessions, ledger, edge, monkeypatch) -> None:
+    """One call at a time, a sender beside the traffic fell behind it (the soak): a pass sends
+    ``CONCURRENCY`` at once and marks each group's rows in one transaction."""
+    ids = [f"r{i}" for i in range(outbox.CONCURRENCY + 3)]
+    await _billed(ledger, sessions, ids)
+    stripe = _Overlap(_gateway(edge).config)
+    commits = 0
+    real_commit = AsyncSession.commit
+
+    async def counted(self: AsyncSession) -> None:
+        nonlocal commits
+        commits += 1
+        await real_commit(self)
+
+    monkeypatch.setattr(AsyncSession, "commit", counted)
+    assert await OutboxSender(sessions, stripe).send_due() == len(ids)
+    assert stripe.most == outbox.CONCURRENCY
+    assert commits == 2  # a group of CONCURRENCY, then the last 3
+    assert sorted(e["identifier"] for e in edge.meter_events) == sorted(ids)
+    assert {row.status for row in (await _rows(sessions)).values()} == {"sent"}
 
 
 async def test_each_send_is_a_span_naming_the_request_it_bills(sessions, ledger, edge) -> None:
