@@ -45,8 +45,9 @@ class DrainRate:
     last one measured stands (the third GPU rehearsal's bursts came every few seconds, each forgetting the
     last one's rate: admitted at the static depth bound, 7 % of the standard requests then waited 1.5-7.7 s,
     past the lane's 1.5 s limit). 0.0 means "not known" (no backlog measured yet): no bound from the rate.
-    The counter is read at most every ``sample_every_s`` whatever the lane's state: an idle lane keeps its
-    latest sample (a GET on every admission was 7-10 % of the gateway's CPU on the instant engine)."""
+    The counter is read at most every ``sample_every_s`` whatever the lane's state, so a backlog's first
+    sample comes up to that long after it began (a GET on every admission of an idle lane, to restart the
+    samples at once, was 7-10 % of the gateway's CPU on the instant engine)."""
 
     def __init__(self, redis: aioredis.Redis, window_s: float = 10.0, sample_every_s: float = 0.5,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -76,11 +77,11 @@ class DrainRate:
         return self._measured[key]
 
     def saw(self, model: str, lane: Lane, queued: int) -> None:
-        """An admission found ``queued`` jobs waiting on the lane; none: the backlog is over, and only the
-        latest sample stays, where the next one starts."""
-        if queued == 0 and (samples := self._samples.get(contract.drained_key(model, lane))):
-            while len(samples) > 1:
-                samples.popleft()
+        """An admission found ``queued`` jobs waiting on the lane; none: the backlog is over, and its samples
+        go (a sample kept across an idle lane would measure demand: a rate of the few jobs that came while
+        nothing waited, which then bounds the next burst)."""
+        if queued == 0:
+            self._samples.pop(contract.drained_key(model, lane), None)
 
 
 def retry_after(queued: int, rate: float) -> int:

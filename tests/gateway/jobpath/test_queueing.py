@@ -57,18 +57,19 @@ async def test_the_static_depth_bound_refuses_at_once(redis) -> None:
     assert await redis.get(contract.queued_key(POOL, Lane.STANDARD)) == b"3"  # nothing added
 
 
-async def test_a_burst_after_a_trickle_is_not_bounded_by_the_trickle(redis) -> None:
+@pytest.mark.parametrize("every_s", [3, 6])  # within half the window, and past it
+async def test_a_burst_after_a_trickle_is_not_bounded_by_the_trickle(redis, every_s: int) -> None:
     """A lane that drained one job every few seconds because only that many came says nothing about
     what its workers can do: a burst after it is queued, not refused."""
     clock = Clock()
     queue = _queue(redis, clock, max_wait_s=2.0)
     taken = [contract.account_queue(POOL, Lane.STANDARD, 1), contract.lane_ring(POOL, Lane.STANDARD),
              contract.queued_key(POOL, Lane.STANDARD)]
-    for i in range(6):  # one request every 3 s, each taken at once: the lane is empty at every admission
+    for i in range(6):  # one request every few seconds, each taken at once: the lane is empty at every admission
         await _admit(queue, i)
         await redis.delete(*taken)
         await redis.incr(contract.drained_key(POOL, Lane.STANDARD))
-        clock.now += 3
+        clock.now += every_s
     for i in range(6, 46):  # then forty at once
         await _admit(queue, i)
     assert await redis.get(contract.queued_key(POOL, Lane.STANDARD)) == b"40"
@@ -91,11 +92,12 @@ async def test_a_sustained_backlog_is_bounded_by_its_drain_rate(redis) -> None:
             refused = exc
             break
     assert refused is not None and refused.status == 429 and refused.code == "queue_full"
-    # Bounded once the backlog had lasted half the window (5 s), at 3 jobs/s x 2 s of waiting = 6,
-    # which the 40 queued by then exceed; Retry-After is the time to drain them at 3/s.
-    assert step == 5
-    assert "(40 requests waiting)" in refused.message
-    assert refused.headers["Retry-After"] == "14"
+    # Bounded once the backlog's samples span half the window (5 s), at 3 jobs/s x 2 s of waiting = 6,
+    # which the 48 queued by then exceed; Retry-After is the time to drain them at 3/s. The first admission
+    # found the lane empty and the counter is read once a sample period, so its first sample is at 1 s.
+    assert step == 6
+    assert "(48 requests waiting)" in refused.message
+    assert refused.headers["Retry-After"] == "16"
 
 
 async def test_a_burst_after_a_backlog_is_bounded_at_once_by_the_rate_that_backlog_measured(redis) -> None:
