@@ -31,9 +31,9 @@ from flatfare.storage.models import Account, Meter, OutboxStatus, RequestRecord,
 log = logging.getLogger("flatfare.billing")
 
 BATCH = 100
-# Meter-event calls in flight at once, and the rows marked in one transaction after them. One call and one
-# commit at a time, the sender kept up with ~190 requests a second alone on a 2-core VM and ~90 beside
-# the traffic (the soak of 2026-12-07): below the platform's own rate, so its backlog grew all day.
+# Meter-event calls in flight at once (FLATFARE_BILLING_OUTBOX_CONCURRENCY), and the rows marked in one
+# transaction after them. One call at a time, a sender is bound by Stripe's round trip (~7 events a second at
+# 0.15 s), and here, with a commit a row, kept up with ~90 requests a second beside the soak's traffic.
 CONCURRENCY = 8
 MAX_BACKOFF_S = 3600
 
@@ -44,17 +44,19 @@ def backoff(attempts: int, most_s: float = MAX_BACKOFF_S) -> timedelta:
 
 class OutboxSender:
     def __init__(self, sessions: async_sessionmaker[AsyncSession], stripe: StripeGateway,
-                 max_backoff_s: float = MAX_BACKOFF_S, tracer: Tracer | None = None) -> None:
+                 max_backoff_s: float = MAX_BACKOFF_S, tracer: Tracer | None = None,
+                 concurrency: int = CONCURRENCY) -> None:
         self._sessions = sessions
         self._stripe = stripe
         self._max_backoff_s = max_backoff_s
+        self._concurrency = concurrency
         # Each send is a span (flatfare.tracing; None: off) in a trace of its own, sampled like a request
         # without a traceparent: the row does not keep its request's trace. flatfare.request_id joins them.
         self._tracer = tracer
 
     async def send_due(self, now: datetime | None = None,
                        holding: Callable[[], Awaitable[bool]] | None = None) -> int:
-        """Send every row that is due, :data:`CONCURRENCY` calls at a time; returns how many were sent.
+        """Send every row that is due, ``concurrency`` calls at a time; returns how many were sent.
         ``holding``, asked before each group, ends the pass early when it answers False (the sender's lease
         was lost). A group's rows are marked together once its calls have ended: a crash in between sends
         them again, which Stripe de-duplicates by identifier."""
@@ -66,10 +68,10 @@ class OutboxSender:
                 .where(UsageOutbox.status == OutboxStatus.PENDING.value, UsageOutbox.next_attempt_at <= now)
                 .order_by(UsageOutbox.next_attempt_at).limit(BATCH))).all()
         sent = 0
-        for start in range(0, len(rows), CONCURRENCY):
+        for start in range(0, len(rows), self._concurrency):
             if holding is not None and not await holding():
                 break
-            group = rows[start:start + CONCURRENCY]
+            group = rows[start:start + self._concurrency]
             outcomes = await asyncio.gather(*(self._traced(row, customer_id, now) for row, customer_id in group))
             async with self._sessions() as session:
                 for (row, _), values in zip(group, outcomes, strict=True):

@@ -131,7 +131,8 @@ def create_app(settings: GatewaySettings | None = None) -> CompletionRoutes:
             stop, settings.files_sweep_interval_s, response_store.purge_expired, "responses"), name="responses-expiry")]
         stripe = StripeGateway(settings.stripe_config()) if settings.stripe_enabled else None
         if stripe is not None:
-            sender = OutboxSender(sessions, stripe, settings.billing_outbox_max_backoff_s, tracer=tracer)
+            sender = OutboxSender(sessions, stripe, settings.billing_outbox_max_backoff_s, tracer=tracer,
+                                  concurrency=settings.billing_outbox_concurrency)
             background.append(asyncio.create_task(sender.run(redis, stop, settings.billing_outbox_interval_s),
                                                   name="billing-outbox"))
         app.state.services = Services(
