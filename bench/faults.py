@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -96,9 +96,11 @@ class Rig:
     max_inflight: int = 0
     # How long the outbox's sender waits for Stripe's answer before it retries, and the longest it backs
     # off after a failure (the tests' stripe_failing shortens both: each answer Stripe's edge holds costs
-    # the sender, which sends one row at a time, a whole timeout).
+    # the sender's group of calls a whole timeout).
     stripe_timeout_s: float = 1.0
     outbox_max_backoff_s: float = 4.0
+    # How long the gateways keep idempotent answers (None: the setting's own default, 24 h).
+    idempotency_window_s: int | None = None
     redis: LocalRedis | None = None
     pg: PrivatePostgres | None = None
     edge: StripeEdge | None = None
@@ -153,7 +155,9 @@ class Rig:
                 "FLATFARE_MODELS_DIR": os.environ.get("FLATFARE_TEST_MODELS_DIR",
                                                       str(Path.home() / ".flatfare" / "models")),
                 "FLATFARE_ENGINE_OPTIONS": '{"enforce_eager": true}', "VLLM_CPU_KVCACHE_SPACE": "1",
-                "VLLM_NO_USAGE_STATS": "1"}
+                "VLLM_NO_USAGE_STATS": "1",
+                **({"FLATFARE_IDEMPOTENCY_WINDOW_S": str(self.idempotency_window_s)}
+                   if self.idempotency_window_s is not None else {})}
 
     def start(self) -> Rig:
         """Every process started as soon as what it needs runs, their start-ups overlapping: the instant
@@ -407,18 +411,24 @@ class Clients:
         try:
             async with asyncio.timeout(self._timeout_s):
                 async with self._client.stream("POST", url, json=body, headers=headers) as response:
-                    if response.status_code != 200:
-                        self._error(await response.aread(), response.status_code)
-                        return None
-                    if stream:
-                        answered = await self._read_stream(response.aiter_lines(), port)
-                    else:
-                        payload = orjson.loads(await response.aread())
-                        answered = self._answered_or_lost("choices" in payload, port, "200 without choices")
-                    return response.headers.get("x-request-id", "") if answered else None
+                    return await self._classify(port, stream, response.status_code, response.aread,
+                                                response.aiter_lines(), response.headers.get("x-request-id", ""))
         except (httpx.HTTPError, TimeoutError) as exc:
             self._answered_or_lost(False, port, f"{exc.__class__.__name__}: {exc}")
             return None
+
+    async def _classify(self, port: int, stream: bool, status: int, body: Callable[[], Awaitable[bytes]],
+                        lines: AsyncIterator[str], request_id: str) -> str | None:
+        """Classify an answer that came (``body`` reads it whole, ``lines`` streams it, whichever HTTP client
+        read it); ``request_id`` if it was answered."""
+        if status != 200:
+            self._error(await body(), status)
+            return None
+        if stream:
+            answered = await self._read_stream(lines, port)
+        else:
+            answered = self._answered_or_lost("choices" in orjson.loads(await body()), port, "200 without choices")
+        return request_id if answered else None
 
     async def _read_stream(self, lines: AsyncIterator[str], port: int) -> bool:
         """Classify a stream by its lines, without their line ends (whichever HTTP client read them)."""

@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -70,10 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     report.mark_start()
     shutil.rmtree(args.workdir, ignore_errors=True)
-    os.environ["FLATFARE_IDEMPOTENCY_WINDOW_S"] = str(args.idempotency_window_s)  # the rig's processes inherit it
     services = Services()
     rig = Rig(args.workdir, services, engine=args.engine, workers=2, gateways=2, postgres=args.postgres,
-              shape=Shape(tokens=8, token_delay_s=0.02), request_timeout_s=30.0)
+              shape=Shape(tokens=8, token_delay_s=0.02), request_timeout_s=30.0,
+              idempotency_window_s=args.idempotency_window_s)
     try:
         rig.start()
         admin_token = subprocess.run([sys.executable, "-m", "flatfare", "admin", "bootstrap"], env=rig.env(),

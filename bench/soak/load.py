@@ -104,22 +104,15 @@ class SoakClients(Clients):
                                            "Content-Type": "application/json", **headers})
 
     async def one(self) -> str | None:
-        """As ``Clients.one`` (the same classification, its stream read by ``Clients._read_stream``), on aiohttp."""
+        """As ``Clients.one`` (the same classification, ``Clients._classify``), on aiohttp."""
         port = self._port()
         stream = self._random.random() < self._stream_share
         body = {"model": self.rig.model, "messages": [{"role": "user", "content": "hi"}], "stream": stream,
                 "max_tokens": 8}
         try:
             async with asyncio.timeout(self._timeout_s), self._request(port, body) as response:
-                if response.status != 200:
-                    self._error(await response.read(), response.status)
-                    return None
-                if stream:
-                    answered = await self._read_stream(_lines(response.content), port)
-                else:
-                    payload = orjson.loads(await response.read())
-                    answered = self._answered_or_lost("choices" in payload, port, "200 without choices")
-                return response.headers.get("x-request-id", "") if answered else None
+                return await self._classify(port, stream, response.status, response.read, _lines(response.content),
+                                            response.headers.get("x-request-id", ""))
         except (aiohttp.ClientError, TimeoutError) as exc:
             self._answered_or_lost(False, port, f"{exc.__class__.__name__}: {exc}")
             return None
